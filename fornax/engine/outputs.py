@@ -1,0 +1,69 @@
+"""The typed objects handed from one stage of a step to the next (DESIGN.md rule 3):
+
+    Request -> SchedulerOutput -> ModelRunnerOutput -> (EngineCore) -> RequestOutput
+
+No torch here either: the runner converts to and from tensors at its own edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fornax.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [start, start + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step (== num_computed_tokens before the step)."""
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step. Token layout in the batch follows `scheduled` order."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests freed since the last step (finished, aborted, preempted): the runner drops
+    # per-request state of finished ones; preempted ones keep theirs (their RNG goes on).
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one chosen token plus the top-k alternatives (ids and values, best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the chosen token in the distribution
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request that sampled: the new token (and its logprobs if asked)."""
+
+    sampled: dict[str, int]  # request_id -> sampled token id
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request_id -> logprobs of prompt tokens computed this step (positions start+1 .. ),
+    # one entry per prompt token after the first.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -1,0 +1,243 @@
+"""Per-request state: SamplingParams, Request, RequestStatus.
+
+No torch here: the scheduler and the KV manager work on these objects and must stay
+pure bookkeeping (DESIGN.md rule 1). One phase model (rule 2): a request's
+`num_computed_tokens` catches up with `num_tokens`; prefill, chunked prefill,
+prefix-cache hits and decode are all just token counts.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+# Bounds that keep one request from asking for unbounded work. The server has its own,
+# stricter, configurable limits; these are the engine's hard floor.
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM's field names and defaults)."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per sampled token (0: only the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:  # noqa: C901 - a flat list of independent checks reads best
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(param, msg)
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                bad("logit_bias", f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries")
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    bad("logit_bias", f"logit_bias keys must be token ids, got {token_id!r}")
+                if not -100.0 <= bias <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        assert isinstance(self.stop, list)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                bad("stop", f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters")
+        for t in self.stop_token_ids or []:
+            if not isinstance(t, int) or t < 0:
+                bad("stop_token_ids", f"stop_token_ids must be token ids, got {t!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    def validate_against_vocab(self, vocab_size: int) -> None:
+        for token_id in list((self.logit_bias or {}).keys()) + list(self.stop_token_ids or []):
+            if token_id >= vocab_size:
+                raise SamplingParamsError(
+                    "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids",
+                    f"token id {token_id} is out of range for a vocabulary of {vocab_size}",
+                )
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # freed and waiting to be recomputed
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context length
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock (time.time()) and monotonic stamps that the metrics and timings need."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """One sequence being generated. A request with n > 1 is fanned out into n of these."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise SamplingParamsError("prompt", "the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.priority = priority  # lower value is served first (vLLM's convention)
+        self.times = RequestTimes()
+        if arrival_time is not None:
+            self.times.arrival = arrival_time
+        self.arrival_order = 0  # set by the scheduler: FCFS tie-breaker
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until first scheduled
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Sampled-token budget: max_tokens, capped so prompt + output fits the model context.
+        limit = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        self.max_tokens = max(limit if limit is not None else 2**31, 0)
+
+    # -- token counts (the one phase model) --
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_on_token(self) -> bool:
+        """After appending a token: finish on EOS, a stop token id or the length limit.
+
+        Stop strings are found by the detokenizer, which calls `finish` itself.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in (params.stop_token_ids or ()):
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

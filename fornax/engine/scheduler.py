@@ -1,0 +1,283 @@
+"""Token-budget continuous batching: which requests compute how many tokens this step.
+
+Pure bookkeeping, no torch (DESIGN.md rule 1). One phase model (rule 2): each request's
+`num_computed_tokens` catches up with its `num_tokens`; a step gives a request
+`num_new_tokens` of that gap. A prompt that does not fit the budget is split over steps
+(chunked prefill); decodes are gaps of 1; both mix freely in one batch.
+
+A step is:  schedule() -> runner executes -> update_from_output().
+schedule() never advances num_computed_tokens (ScheduledRequest.start reads it);
+update_from_output() does, once the tokens are really computed.
+
+Every release of KV blocks (finish, abort, preemption) goes through `_free` (rule 6).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from fornax.config import CacheConfig, SchedulerConfig
+from fornax.engine.kv.manager import KVCacheManager, cdiv
+from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from fornax.engine.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Requests waiting for (re)admission, in the order the policy serves them.
+
+    fcfs: a deque; a preempted request goes back to the front, ahead of newer arrivals.
+    priority: a heap on (priority, arrival_order); a preempted request is simply pushed
+    back, and its old arrival_order puts it ahead of later requests of equal priority.
+    """
+
+    def __init__(self, policy: str) -> None:
+        self._fcfs = policy == "fcfs"
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[int, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._deque) if self._fcfs else len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In no guaranteed order for the priority policy."""
+        return iter(self._deque) if self._fcfs else (entry[2] for entry in self._heap)
+
+    def push(self, request: Request) -> None:
+        if self._fcfs:
+            self._deque.append(request)
+        else:
+            heapq.heappush(self._heap, (request.priority, request.arrival_order, request))
+
+    def push_front(self, request: Request) -> None:
+        if self._fcfs:
+            self._deque.appendleft(request)
+        else:
+            self.push(request)
+
+    def peek(self) -> Request:
+        return self._deque[0] if self._fcfs else self._heap[0][2]
+
+    def pop(self) -> Request:
+        return self._deque.popleft() if self._fcfs else heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        """O(n): only aborts use it."""
+        if self._fcfs:
+            self._deque.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[2] is not request]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting = WaitingQueue(scheduler_config.policy)
+        self.running: list[Request] = []  # in admission order; FCFS preempts from the end
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self._next_arrival = 0
+        # Ids freed as finished or aborted since the last schedule(): the runner drops their state.
+        self._finished_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # -- queries --
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # -- admission and removal --
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises ValueError if it could never run."""
+        n_prompt = request.num_prompt_tokens
+        max_len = self.config.max_model_len
+        if n_prompt >= max_len:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens, but the maximum context length is {max_len} "
+                f"tokens, which must also leave room for at least one generated token"
+            )
+        capacity = self.kv.num_blocks * self.block_size
+        if cdiv(n_prompt + 1, self.block_size) > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens, but the KV cache holds only {capacity} tokens "
+                f"({self.kv.num_blocks} blocks of {self.block_size})"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # Cap the output so the request fits both the context and, alone, the whole cache
+        # (the last sampled token never needs a slot). Without the second cap, a request
+        # could outgrow the cache, preempt itself, and wait forever for room that cannot exist.
+        request.max_tokens = min(request.max_tokens, max_len - n_prompt, capacity - n_prompt + 1)
+        request.arrival_order = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish an unfinished request from outside (stop string, abort); False if unknown."""
+        assert status.is_finished, f"{status.name} is not a finished status"
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._free(request)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _free(self, request: Request) -> None:
+        """The one path that releases a request's KV blocks (finish, abort, preemption).
+
+        The caller has already taken the request out of `running`/`waiting` and set its status.
+        """
+        self.kv.free(request)
+        if request.is_finished:
+            request.times.finished = time.monotonic()
+            self.requests.pop(request.request_id, None)
+            self._finished_ids.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request and queue it to recompute prompt + outputs from scratch."""
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        self._free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.push_front(request)
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request: FCFS the newest; 'priority' the largest value, then newest."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_order))
+        return self.running[-1]
+
+    # -- the step --
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """How many of `num_tokens` pending tokens one request computes this step."""
+        n = min(num_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(n, threshold) if threshold > 0 else n
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}  # insertion order == batch order
+        preempted: set[str] = set()
+        budget = self._schedule_running(budget, scheduled, preempted)
+        # After a preemption the cache is under pressure: admitting new work would only
+        # evict it again. vLLM makes the same call.
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, set()
+        batch = list(scheduled.values())
+        return SchedulerOutput(
+            scheduled=batch,
+            num_batched_tokens=sum(s.num_new_tokens for s in batch),
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, ScheduledRequest], preempted: set[str]
+    ) -> int:
+        """Give each running request its next tokens, preempting when blocks run out."""
+        for request in list(self.running):  # a copy: preemption edits self.running
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue  # nothing pending; cannot happen while every step samples
+            block_ids = self.kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    # 'priority' may pick one already given tokens this step: take them back.
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    return budget  # it could not fit even by evicting all lower-priority work
+                block_ids = self.kv.allocate_slots(request, num_new)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> None:
+        """Admit waiting requests in policy order while budget, seats and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = self._chunk(request.num_tokens - num_hit, budget)
+            block_ids = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if block_ids is None:
+                break  # never preempt running work to admit new work; wait for room
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:  # the first admission only, not a resume
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit  # the hit is computed already: start after it
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
+            budget -= num_new
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance computed counts, cache full blocks, append sampled tokens, finish on stop.
+
+        Returns the requests that got a new token (finished ones included).
+        """
+        changed: list[Request] = []
+        finished: list[Request] = []
+        now = time.monotonic()
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted or finished between schedule() and now
+            request.num_computed_tokens += sched.num_new_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            token = runner_output.sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            request.append_output_token(token)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.last_token = now
+            if request.check_stop_on_token():  # sets the finished status
+                finished.append(request)
+            changed.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._free(request)
+        return changed

@@ -1,0 +1,140 @@
+"""Paged attention over a flattened batch, on torch's scaled_dot_product_attention.
+
+The runner lays a step's tokens out flat ([num_tokens, ...]) and builds this metadata once
+per step; every layer reuses it. Each layer writes its new K/V into the paged cache
+(flat slots = block_id * block_size + offset), then attends with one SDPA call per *group*
+of sequences: decodes (one query each) form one group, prefill chunks another, so short
+decode rows are not padded to the length of a long prompt. No loop over requests runs
+inside a layer (DESIGN.md rule 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence in a step: compute positions [start, start + num_new) with this block table."""
+
+    start: int
+    num_new: int
+    block_ids: list[int]
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [T_g] rows of the flat batch that belong to this group
+    query_index: torch.Tensor  # [B, Q] flat-batch row of each padded query (padding -> any valid row)
+    padded_index: torch.Tensor  # [T_g] position of each real query in the flattened [B * Q]
+    kv_slots: torch.Tensor | None  # [B, L] cache slot of each context position; None: no cached context
+    mask: torch.Tensor | None  # [B, 1, Q, L] True where a query may attend; None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot where each new token's K/V is written
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    spans: list[SeqSpan], block_size: int, sliding_window: int | None = None
+) -> AttentionMetadata:
+    """Bulk-build slot mapping and per-group gather indices and masks for one step."""
+    offsets = np.cumsum([0] + [s.num_new for s in spans])
+    slot_parts = []
+    for s in spans:
+        pos = np.arange(s.start, s.start + s.num_new)
+        table = np.asarray(s.block_ids, dtype=np.int64)
+        slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
+    slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
+    decode = [i for i, s in enumerate(spans) if s.num_new == 1]
+    prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
+    groups = [
+        _build_group(spans, idx, offsets, block_size, sliding_window) for idx in (decode, prefill) if idx
+    ]
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+
+
+def _build_group(
+    spans: list[SeqSpan], idx: list[int], offsets: np.ndarray, block_size: int, window: int | None
+) -> AttentionGroup:
+    q_len = max(spans[i].num_new for i in idx)
+    ctx_len = max(spans[i].start + spans[i].num_new for i in idx)
+    b = len(idx)
+    token_index = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+    query_index = np.zeros((b, q_len), dtype=np.int64) + token_index[0]
+    padded_index = np.concatenate([r * q_len + np.arange(spans[i].num_new) for r, i in enumerate(idx)])
+    for r, i in enumerate(idx):
+        query_index[r, : spans[i].num_new] = np.arange(offsets[i], offsets[i + 1])
+    # A lone prompt with no cached context attends only to its own new tokens: plain
+    # causal SDPA on the fresh K/V, no gather and no mask (the common first-turn prefill).
+    if b == 1 and spans[idx[0]].start == 0 and window is None:
+        return AttentionGroup(
+            token_index=torch.from_numpy(token_index),
+            query_index=torch.from_numpy(query_index),
+            padded_index=torch.from_numpy(padded_index),
+            kv_slots=None,
+            mask=None,
+        )
+    kv_slots = np.zeros((b, ctx_len), dtype=np.int64)
+    q_pos = np.full((b, q_len), -1, dtype=np.int64)
+    for r, i in enumerate(idx):
+        s = spans[i]
+        n = s.start + s.num_new
+        pos = np.arange(n)
+        table = np.asarray(s.block_ids, dtype=np.int64)
+        kv_slots[r, :n] = table[pos // block_size] * block_size + pos % block_size
+        q_pos[r, : s.num_new] = np.arange(s.start, n)
+    k_pos = np.arange(ctx_len)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L] causal; padding rows see nothing yet
+    if window is not None:
+        mask &= q_pos[:, :, None] - k_pos[None, None, :] < window
+    mask[:, :, 0] |= q_pos < 0  # padding queries attend to one key so softmax stays finite
+    return AttentionGroup(
+        token_index=torch.from_numpy(token_index),
+        query_index=torch.from_numpy(query_index),
+        padded_index=torch.from_numpy(padded_index),
+        kv_slots=torch.from_numpy(kv_slots),
+        mask=torch.from_numpy(mask).unsqueeze(1),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write new K/V into the cache, then attend for every group. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    if len(meta.groups) == 1 and meta.groups[0].kv_slots is None:
+        # Single fresh prompt: no padding anywhere, attend over the new tokens directly.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
+        )  # [H, T, D]
+        return out.transpose(0, 1)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        b, q_len = g.query_index.shape
+        qg = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
+        if g.kv_slots is None:
+            kg = k[g.query_index].transpose(1, 2)  # [1, Hkv, Q, D]
+            vg = v[g.query_index].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        og = og.transpose(1, 2).reshape(b * q_len, q.shape[1], q.shape[2])  # [B * Q, H, D]
+        out[g.token_index] = og[g.padded_index]
+    return out

@@ -1,0 +1,66 @@
+"""Model architectures and loading: source -> weights -> a ready torch module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fornax.config import ModelConfig
+from fornax.models.llama import LlamaForCausalLM
+from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
+from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
+
+# HF architecture name -> implementation. The Llama family shares one implementation
+# whose config switches cover Mistral and Qwen2/3 (see models/llama.py).
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    resolved: ResolvedModel
+    metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
+
+
+def load_weights(resolved: ResolvedModel, dtype: torch.dtype, progress: bool = True) -> LoadedWeights:
+    if resolved.gguf_path is not None:
+        return load_gguf(resolved.gguf_path, dtype, progress)
+    assert resolved.hf_dir is not None
+    return load_hf_dir(resolved.hf_dir, dtype, progress)
+
+
+def load_model(source: str | Path, dtype: str = "bfloat16", progress: bool = True) -> LoadedModel:
+    """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError."""
+    resolved = resolve_model(str(source))
+    torch_dtype = DTYPES[dtype]
+    weights = load_weights(resolved, torch_dtype, progress)
+    cls = ARCHITECTURES[weights.config.architecture]
+    # Build on the meta device: no time spent initialising weights that are overwritten.
+    with torch.device("meta"):
+        model = cls(weights.config, torch_dtype)
+    model = model.to_empty(device="cpu")
+    model.rotary.__init__(  # buffers are computed, not loaded: rebuild them on the CPU
+        weights.config.head_dim,
+        weights.config.max_position_embeddings,
+        weights.config.rope_theta,
+        weights.config.rope_scaling,
+    )
+    with torch.no_grad():
+        model.load_weights(weights.tensors)
+    model.eval()
+    return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
+
+
+__all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "ModelSourceError", "load_model", "resolve_model"]

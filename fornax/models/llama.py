@@ -1,0 +1,156 @@
+"""The Llama family decoder: Llama 2/3, Mistral, SmolLM2, and the Qwen2/Qwen3 variants.
+
+These architectures differ only in small switches that the config carries: QKV bias
+(Qwen2), per-head RMSNorm on Q and K before RoPE (Qwen3), RoPE scaling (Llama 3),
+sliding-window attention (Mistral), tied embeddings. One implementation keeps them
+exactly in step with each other; `models/__init__.py` maps HF architecture names here.
+
+The forward pass takes a flattened batch: tokens of many sequences laid end to end,
+with their positions and the paged-attention metadata built once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fornax.config import ModelConfig
+from fornax.layers.attention import AttentionMetadata, paged_attention
+from fornax.layers.linear import Linear
+from fornax.layers.norm import RMSNorm
+from fornax.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class KVCache:
+    """Per-layer K and V pools: [num_blocks * block_size, num_kv_heads, head_dim] each."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        shape = (num_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        per_token = 2 * config.num_key_value_heads * config.head_dim * torch.finfo(dtype).bits // 8
+        return per_token * block_size * config.num_hidden_layers
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Q, K and V in one matmul: one pass over the activations instead of three.
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, cos_sin, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab], only for the rows that are sampled."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        c = self.config
+        self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
+        self.norm.weight.copy_(tensors["model.norm.weight"])
+        head = tensors["model.embed_tokens.weight"] if c.tie_word_embeddings else tensors["lm_head.weight"]
+        self.lm_head.weight.copy_(head)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(tensors[p + "post_attention_layernorm.weight"])
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(
+                torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+            )
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.copy_(torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+            attn.o_proj.weight.copy_(tensors[p + "self_attn.o_proj.weight"])
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]], dim=0)
+            )
+            layer.mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])

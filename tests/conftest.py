@@ -1,0 +1,19 @@
+"""Shared fixtures. The default model is fetched once (cached under FORNAX_HOME)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """Path of the default model's GGUF file (SmolLM2-135M-Instruct Q4_1)."""
+    override = os.environ.get("FORNAX_TEST_GGUF")
+    if override:
+        return Path(override)
+    from fornax.models.registry import resolve_model
+
+    return resolve_model("smollm2-135m-instruct").gguf_path
