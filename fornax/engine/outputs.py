@@ -67,3 +67,21 @@ class ModelRunnerOutput:
     # request_id -> logprobs of prompt tokens computed this step (positions start+1 .. ),
     # one entry per prompt token after the first.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one sequence (a child of a request when n > 1)."""
+
+    request_id: str  # the user's request id (parent)
+    index: int  # which of the n samples
+    new_token_ids: list[int]
+    new_text: str  # text delta, UTF-8 safe, stop strings held back until resolved
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sent once, with the first output
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: dict[str, float] | None = None  # set when finished: queue, ttft, prefill, decode, e2e (s)

@@ -1,0 +1,92 @@
+"""SchedulerOutput -> tensors -> model -> sampler -> ModelRunnerOutput.
+
+Everything the model needs for one step (token ids, positions, slot mapping, gather
+indices, masks) is built here once, in bulk; the layers only index with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fornax.config import ModelConfig
+from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from fornax.engine.request import Request
+from fornax.engine.sample.metadata import SamplingMetadata, make_generator
+from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
+from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.models.llama import KVCache, LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        self.model, self.config, self.block_size = model, config, block_size
+        self.kv_cache = KVCache(config, num_blocks, block_size, dtype)
+        self.sampler = Sampler()
+        # Per-request RNGs live as long as the request (across preemptions), so a seeded
+        # request draws the same numbers whatever else shares its batches.
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled={})
+        items = sched.scheduled
+        input_ids, positions = self._flatten_tokens(items)
+        spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
+        meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+        ends = np.cumsum([s.num_new_tokens for s in items]) - 1
+        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples]
+        out = ModelRunnerOutput(sampled={})
+        self._prompt_logprobs(items, hidden, ends, out)
+        if not sampling:
+            return out
+        rows = torch.as_tensor([int(ends[i]) for i, _ in sampling])
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        requests = [r for _, r in sampling]
+        self._ensure_generators(requests)
+        sampler_out = self.sampler(logits, SamplingMetadata.build(requests, self.generators))
+        token_ids = sampler_out.sampled_token_ids.tolist()
+        for row, request in enumerate(requests):
+            out.sampled[request.request_id] = token_ids[row]
+            k = request.sampling_params.logprobs
+            if k is not None:
+                out.logprobs[request.request_id] = to_token_logprobs(sampler_out, row, k)
+        return out
+
+    def _flatten_tokens(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        pos_parts = []
+        for s in items:
+            ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            pos_parts.append(np.arange(s.start, s.start + s.num_new_tokens))
+        return torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(pos_parts))
+
+    def _ensure_generators(self, requests: list[Request]) -> None:
+        for r in requests:
+            seed = r.sampling_params.seed
+            if seed is not None and r.request_id not in self.generators:
+                self.generators[r.request_id] = make_generator(seed)
+
+    def _prompt_logprobs(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput
+    ) -> None:
+        """Logprobs of each prompt token given its prefix, for requests that asked for them."""
+        for i, s in enumerate(items):
+            r = s.request
+            k = r.sampling_params.prompt_logprobs
+            # Position p predicts token p + 1; prompt tokens 1 .. P-1 are scored.
+            stop = min(s.start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if k is None or stop <= s.start:
+                continue
+            first_row = int(ends[i]) - s.num_new_tokens + 1
+            rows = slice(first_row, first_row + stop - s.start)
+            logits = self.model.compute_logits(hidden[rows])
+            next_ids = torch.tensor(r.all_token_ids[s.start + 1 : stop + 1])
+            out.prompt_logprobs[r.request_id] = prompt_logprobs(logits, next_ids, k)

@@ -1,0 +1,157 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(...)`, vLLM's shapes."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fornax.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
+from fornax.engine.core import EngineCore, build_engine_core
+from fornax.engine.outputs import EngineOutput
+from fornax.engine.request import SamplingParams
+from fornax.outputs import CompletionOutput, RequestOutput
+from fornax.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then run batches of prompts through the continuous-batching engine."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "bfloat16",
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 8192,
+        block_size: int = 16,
+        kv_cache_memory: int | float | str = "1GiB",
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=parse_memory_size(kv_cache_memory),
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                policy=scheduling_policy,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+            seed=seed,
+        )
+        self.engine: EngineCore = build_engine_core(config, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts together; one RequestOutput per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            request_id = str(next(self._ids))
+            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
+            results[request_id] = _new_output(request_id, prompt, ids, p.n)
+            order.append(request_id)
+        for out in self._run():
+            _accumulate(results[out.request_id], out)
+        return [results[r] for r in order]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools, tokenize=True)
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[EngineOutput]:
+        """Yield per-step deltas of one request as they are produced (used by `fornax chat`)."""
+        request_id = str(next(self._ids))
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.add_request(request_id, ids, sampling_params or SamplingParams())
+        yield from self._run()
+
+    def _run(self) -> Iterator[EngineOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts  # type: ignore[return-value]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)
+
+
+def _new_output(request_id: str, prompt: Prompt, ids: list[int], n: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=ids,
+        outputs=[CompletionOutput(index=i) for i in range(n)],
+    )
+
+
+def _accumulate(result: RequestOutput, out: EngineOutput) -> None:
+    comp = result.outputs[out.index]
+    comp.text += out.new_text
+    comp.token_ids.extend(out.new_token_ids)
+    if out.new_logprobs:
+        comp.logprobs = (comp.logprobs or []) + out.new_logprobs
+        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(lp.logprob for lp in out.new_logprobs)
+    if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+        result.prompt_logprobs = [None, *out.prompt_logprobs]
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.finished:
+        comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+        if out.timings:
+            result.timings = out.timings
+        result.finished = all(c.finished for c in result.outputs)

@@ -1,0 +1,36 @@
+"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fornax.engine.outputs import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Seconds: queue (arrival -> first scheduled), ttft (arrival -> first token),
+    # prefill (first scheduled -> first token), decode (first -> last token), e2e.
+    timings: dict[str, float] = field(default_factory=dict)

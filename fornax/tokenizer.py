@@ -1,0 +1,557 @@
+"""Text <-> token ids, and chat templates, for one model.
+
+`Tokenizer` wraps a HF `tokenizers.Tokenizer` built either from a GGUF file's `tokenizer.ggml.*`
+metadata or from a HF directory (`tokenizer.json` + `tokenizer_config.json`). BOS/EOS are added by
+this wrapper from explicit flags, never by the backend's post-processor, so one rule holds for both
+sources. Chat templates render in jinja2's immutable sandbox with a time and size budget, because a
+template comes with the model file and must be treated as untrusted code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import mmap
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+RENDER_TIMEOUT_S = 2.0
+MAX_TEMPLATE_OUTPUT = 1 << 20  # chars allowed beyond 4x the size of the input conversation
+_MAX_INT_BITS = 1 << 16  # `**` results above this many bits are refused (10**10**10 would never end)
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that is missing, broken, hostile or over budget; the message says which."""
+
+
+# ---- byte-level BPE alphabet -------------------------------------------------------------------
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable char map: printable latin-1 bytes stand for themselves,
+    the other 68 bytes are shifted to code points 256.. in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = (b for b in range(256) if b not in keep)
+    table = {b: chr(b) for b in keep}
+    table.update({b: chr(256 + n) for n, b in enumerate(shifted)})
+    return table
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _byte_alphabet().items()}
+
+
+# ---- pre-tokenizers named by tokenizer.ggml.pre (llama.cpp's names) ------------------------------
+
+
+def _split_regex(digits: str) -> str:
+    """The Llama-3 style split; Qwen2 differs only in taking digits one at a time."""
+    return "|".join([
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)", r"[^\r\n\p{L}\p{N}]?\p{L}+", digits,
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+    ])  # fmt: skip
+
+
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "smaug-bpe", "dbrx"}
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "megrez"}
+# StarCoder-lineage vocabularies were trained with every digit split off before the GPT-2 regex.
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_GPT2_PRE = {"gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "roberta-bpe", "default"}
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        regex = _split_regex(r"\p{N}{1,3}" if pre in _LLAMA3_PRE else r"\p{N}")
+        split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre not in _GPT2_PRE:
+        logger.warning("unknown tokenizer.ggml.pre %r; splitting text with the GPT-2 regex", pre)
+    return gpt2
+
+
+# ---- GGUF metadata ----------------------------------------------------------------------------
+
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_fields(path: str | Path) -> dict[str, Any]:
+    """Key/value metadata of a GGUF file, in `GGUFReader.fields[k].contents()` shapes.
+
+    Reads only the header: `gguf.GGUFReader` also maps every tensor and takes seconds, while the
+    tokenizer needs none of them. Falls back to the reader for anything this parser rejects."""
+    try:
+        return _parse_gguf_header(Path(path))
+    except (ValueError, struct.error, UnicodeDecodeError):
+        import gguf
+
+        reader = gguf.GGUFReader(str(path), "r")
+        return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _parse_gguf_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        # A big-endian file shows its small version number byte-swapped when read little-endian.
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version, _, n_kv = struct.unpack_from(order + "IQQ", buf, 4)
+        if version < 2:
+            raise ValueError("GGUF v1 has 32-bit counts")
+        pos = 24
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            (value,) = struct.unpack_from(order + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+        def value(vtype: int) -> Any:
+            nonlocal pos
+            if vtype == _GGUF_STRING:
+                return string()
+            if vtype != _GGUF_ARRAY:
+                return take(_GGUF_SCALAR[vtype])
+            etype, count = take("I"), take("Q")
+            if etype in (_GGUF_STRING, _GGUF_ARRAY):
+                return [value(etype) for _ in range(count)]
+            dtype = np.dtype(order + _GGUF_SCALAR[etype])
+            data = bytes(buf[pos : pos + dtype.itemsize * count])  # a copy: the mmap closes below
+            pos += len(data)
+            return np.frombuffer(data, dtype=dtype, count=count).tolist()
+
+        fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            fields[key] = value(take("I"))
+        return fields
+
+
+def _tokenizer_from_gguf(meta: dict[str, Any]) -> HFTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', 'llama')")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # some files repeat a token; the first id wins, as in llama.cpp
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        ignore_merges = meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE  # Llama 3 looks whole words up first
+        hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        hf.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        hf.decoder = decoders.ByteLevel()
+    else:
+        hf = _sentencepiece_bpe(meta, tokens, vocab)
+    types = meta.get("tokenizer.ggml.token_type") or []
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                           for i, t in enumerate(types) if t == _CONTROL])  # fmt: skip
+    hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                   for i, t in enumerate(types) if t == _USER_DEFINED])  # fmt: skip
+    return hf
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], vocab: dict[str, int]) -> HFTokenizer:
+    """SentencePiece BPE as a HF BPE: merges ranked by the score of the token they make, which is
+    the order llama.cpp's score-driven merging picks pairs in."""
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    candidates = []
+    for tok, idx in vocab.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-scores[idx], idx, vocab[left], left, right))
+    merges = [(left, right) for *_, left, right in sorted(candidates)]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    has_bytes = any(t == _BYTE for t in meta.get("tokenizer.ggml.token_type") or [])
+    unk = tokens[unk_id] if unk_id is not None else None
+    hf = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=has_bytes, fuse_unk=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first" if space_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    hf.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return hf
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Specials:
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra_eos_ids: tuple[int, ...] = ()  # end-of-turn ids that also stop generation
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+class Tokenizer:
+    """One model's tokenizer: encode/decode, special ids, and its chat template."""
+
+    def __init__(self, hf: HFTokenizer, specials: _Specials, chat_template: str | None, style: str) -> None:
+        self.hf = hf
+        self._specials = specials
+        self.chat_template = chat_template
+        self._style = style  # "byte_level" | "sentencepiece" | "other": how token strings map to bytes
+        self.bos_token_id, self.eos_token_id = specials.bos_token_id, specials.eos_token_id
+        self.pad_token_id, self.unk_token_id = specials.pad_token_id, specials.unk_token_id
+        self.eos_token_ids = frozenset(i for i in (specials.eos_token_id, *specials.extra_eos_ids) if i is not None)
+        self.bos_token = self._token_or_none(self.bos_token_id)
+        self.eos_token = self._token_or_none(self.eos_token_id)
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        added = hf.get_added_tokens_decoder()
+        self._special_added = frozenset(i for i, tok in added.items() if tok.special)
+        named = (self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id)
+        self.all_special_ids = sorted(self._special_added | {i for i in named if i is not None})
+
+    # -- construction
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        hf = _tokenizer_from_gguf(meta)
+        spm = meta.get("tokenizer.ggml.model") == "llama"
+        extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
+        specials = _Specials(
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            extra_eos_ids=extra,
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )
+        return cls(hf, specials, meta.get("tokenizer.chat_template"), "sentencepiece" if spm else "byte_level")
+
+    @classmethod
+    def from_gguf_file(cls, path: str | Path) -> Tokenizer:
+        return cls.from_gguf_metadata(read_gguf_fields(path))
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> Tokenizer:
+        root = Path(path)
+        hf = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        config = _read_json(root / "tokenizer_config.json")
+        for entry in (config.get("added_tokens_decoder") or {}).values():
+            if hf.token_to_id(entry["content"]) is None:  # listed in the config only
+                token = AddedToken(entry["content"], special=bool(entry.get("special")), normalized=False)
+                (hf.add_special_tokens if entry.get("special") else hf.add_tokens)([token])
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            content = token.get("content") if isinstance(token, dict) else token
+            return hf.token_to_id(content) if isinstance(content, str) else None
+
+        # Whatever the backend's post-processor adds around a text is what this tokenizer adds.
+        bare, full = hf.encode("x", add_special_tokens=False).ids, hf.encode("x", add_special_tokens=True).ids
+        at = full.index(bare[0]) if bare and bare[0] in full else 0
+        prefix, suffix = full[:at], full[at + len(bare) :]
+        bos, eos = token_id("bos_token"), token_id("eos_token")
+        extra: list[int] = []
+        for name in ("config.json", "generation_config.json"):
+            ids = _read_json(root / name).get("eos_token_id")
+            extra += ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
+        specials = _Specials(
+            bos_token_id=bos if bos is not None else (prefix[0] if prefix else None),
+            eos_token_id=eos if eos is not None else (extra[0] if extra else None),
+            extra_eos_ids=tuple(extra),
+            pad_token_id=token_id("pad_token"),
+            unk_token_id=token_id("unk_token"),
+            add_bos=bool(config.get("add_bos_token", bool(prefix))),
+            add_eos=bool(config.get("add_eos_token", bool(suffix))),
+        )
+        template = _read_chat_template(root, config)
+        return cls(hf, specials, template, _token_style(hf))
+
+    # -- text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._wrap(self.hf.encode(text, add_special_tokens=False).ids, add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        encodings = self.hf.encode_batch(texts, add_special_tokens=False)
+        return [self._wrap(e.ids, add_special_tokens) for e in encodings]
+
+    def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        s = self._specials
+        if add_special_tokens and s.add_bos and s.bos_token_id is not None:
+            ids = [s.bos_token_id, *ids]
+        if add_special_tokens and s.add_eos and s.eos_token_id is not None:
+            ids = [*ids, s.eos_token_id]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.hf.id_to_token(i) or "" for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (may be part of a UTF-8 character)."""
+        token = self.hf.id_to_token(token_id) or ""
+        if token_id in self._special_added:
+            return token.encode()
+        if self._style == "byte_level" and all(c in _CHAR_TO_BYTE for c in token):
+            return bytes(_CHAR_TO_BYTE[c] for c in token)
+        if self._style == "sentencepiece":
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                return bytes([int(token[3:5], 16)])
+            return token.replace("\u2581", " ").encode()
+        return token.encode()
+
+    def _token_or_none(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.hf.id_to_token(token_id)
+
+    # -- chat
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str | list[int]:
+        source = chat_template or self.chat_template
+        if not source:
+            raise ChatTemplateError("this model has no chat template; use completions with a plain prompt")
+        context = {
+            "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+            "pad_token": self._token_or_none(self.pad_token_id) or "",
+            "unk_token": self._token_or_none(self.unk_token_id) or "",
+            **extra, "messages": _flatten_messages(messages), "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }  # fmt: skip
+        text = render_chat_template(source, context)
+        # The template writes BOS itself where the model wants it; adding one again would double it.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _read_chat_template(root: Path, config: dict[str, Any]) -> str | None:
+    if (root / "chat_template.jinja").is_file():  # where recent transformers saves it
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template") or _read_json(root / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _token_style(hf: HFTokenizer) -> str:
+    decoder = repr(hf.decoder)
+    if "ByteLevel" in decoder:
+        return "byte_level"
+    return "sentencepiece" if "\u2581" in decoder or "Metaspace" in decoder else "other"
+
+
+def _flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI content-part lists become one string, so string-only templates keep working."""
+    flat = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"each message must be an object, got {type(message).__name__}")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ChatTemplateError(f"unsupported message content part {kind!r}; only text is supported")
+                texts.append(str(part.get("text") or ""))
+            message = {**message, "content": "\n".join(texts)}
+        flat.append(message)
+    return flat
+
+
+# ---- sandboxed, bounded chat template rendering -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Budget:
+    deadline: float
+    max_chars: int
+
+
+# The budget of the render running in this thread/task; the sandbox hooks below have no other way
+# to reach it, since jinja calls them without the render's variables.
+_BUDGET: ContextVar[_Budget | None] = ContextVar("fornax_chat_template_budget", default=None)
+
+
+def _tick() -> None:
+    budget = _BUDGET.get()
+    if budget is not None and time.monotonic() > budget.deadline:
+        raise ChatTemplateError(f"chat template took longer than {RENDER_TIMEOUT_S:g}s to render")
+
+
+def _check_count(count: int) -> None:
+    budget = _BUDGET.get()
+    if budget is not None and count > budget.max_chars:
+        raise ChatTemplateError(f"chat template built a value larger than {budget.max_chars} items")
+
+
+def _check_size(value: Any) -> Any:
+    if isinstance(value, str | list | tuple | dict):
+        _check_count(len(value))
+    return value
+
+
+class _GuardedIterable:
+    """Wraps every `{% for %}` iterable so each iteration checks the deadline; keeps len()."""
+
+    def __init__(self, iterable: Any) -> None:
+        self._iterable = iterable
+
+    def __len__(self) -> int:
+        return len(self._iterable)
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self._iterable:
+            _tick()
+            yield item
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus checks of time and size at every call, lookup and big operator."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _tick()
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            if right > 0 and abs(left).bit_length() * right > _MAX_INT_BITS:
+                raise ChatTemplateError("chat template computed a number that is too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                    _check_count(len(seq) * n)
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        _tick()
+        return _check_size(super().call(context, obj, *args, **kwargs))
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        return _check_size(super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return _check_size(super().getitem(obj, argument))
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it):
+    renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+    # Not jinja's own tojson, which HTML-escapes <, > and &: prompts must show them verbatim.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _guard_filter(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment markers
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _tick()
+        for arg in (*args, *kwargs.values()):  # a width like center(10**9) allocates before any check
+            if isinstance(arg, int) and not isinstance(arg, bool):
+                _check_count(abs(arg))
+        return _check_size(fn(*args, **kwargs))
+
+    return guarded
+
+
+def _make_environment() -> _BoundedSandbox:
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _guard_filter(fn) for name, fn in env.filters.items()}
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        _fornax_loop_guard=_GuardedIterable,
+    )
+    return env
+
+
+_ENV = _make_environment()
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    try:
+        tree = _ENV.parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not parse (line {exc.lineno}): {exc.message}") from None
+    # Loops without calls inside them would otherwise never reach a sandbox hook.
+    for loop in tree.find_all(nodes.For):
+        guard = nodes.Name("_fornax_loop_guard", "load", lineno=loop.lineno)
+        loop.iter = nodes.Call(guard, [loop.iter], [], None, None, lineno=loop.lineno)
+    return _ENV.from_string(tree)
+
+
+def render_chat_template(source: str, context: dict[str, Any]) -> str:
+    """Render `source` with `context` inside the sandbox, within RENDER_TIMEOUT_S and a size budget
+    of MAX_TEMPLATE_OUTPUT plus 4x the size of the input. Any failure is a ChatTemplateError."""
+    input_size = len(json.dumps(context, default=str, ensure_ascii=False))
+    budget = _Budget(time.monotonic() + RENDER_TIMEOUT_S, MAX_TEMPLATE_OUTPUT + 4 * input_size)
+    token = _BUDGET.set(budget)
+    try:
+        template = _compile(source)
+        chunks, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > budget.max_chars:
+                raise ChatTemplateError(f"chat template output exceeds {budget.max_chars} characters")
+            _tick()
+            chunks.append(chunk)
+        return "".join(chunks)
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - template code may raise anything
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        _BUDGET.reset(token)

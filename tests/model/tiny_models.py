@@ -1,0 +1,93 @@
+"""Tiny random-weight models built by transformers itself, saved as HF directories.
+
+Each test builds the reference model in-process (no hub, no internet) and compares fornax
+against it. Weights are drawn larger than transformers' default init so logits are peaked
+and greedy argmax is not decided by float noise between near-equal candidates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 384
+TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Inference turns static weights into answers.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Prefill reads the whole prompt at once; decode writes one token at a time.",
+    "Continuous batching keeps the hardware busy: when one request finishes, another fills its place.",
+]
+
+
+def make_tokenizer_files(out: Path) -> None:
+    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TRAIN_TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
+    """Build, randomize and save a tiny model of `arch`; returns the fp32 HF model."""
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+    elif arch == "llama3":  # Llama 3.1-style RoPE scaling, tied embeddings
+        config = transformers.LlamaConfig(
+            **{**common, "tie_word_embeddings": True},
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            },
+        )  # fmt: skip
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=24, head_dim=16)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=32, use_sliding_window=False)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.eval()
+    model.generation_config.eos_token_id = None  # compare full-length outputs
+    model.save_pretrained(str(out))
+    make_tokenizer_files(out)
+    return model
