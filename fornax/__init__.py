@@ -1,8 +1,32 @@
-"""fornax: an LLM inference engine and OpenAI-compatible server."""
+"""fornax: an LLM inference engine and OpenAI-compatible server.
 
-from fornax.engine.request import SamplingParams
-from fornax.llm import LLM
-from fornax.outputs import CompletionOutput, RequestOutput
+The public names are imported lazily (PEP 562), so that importing a torch-free module
+such as `fornax.engine.scheduler` does not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+_LAZY = {
+    "LLM": "fornax.llm",
+    "SamplingParams": "fornax.engine.request",
+    "CompletionOutput": "fornax.outputs",
+    "RequestOutput": "fornax.outputs",
+}
+
+if TYPE_CHECKING:
+    from fornax.engine.request import SamplingParams
+    from fornax.llm import LLM
+    from fornax.outputs import CompletionOutput, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fornax' has no attribute {name!r}")

@@ -83,7 +83,8 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
         regex = _split_regex(r"\p{N}{1,3}" if pre in _LLAMA3_PRE else r"\p{N}")
         split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, to_bytes])
     if pre in _DIGITS_THEN_GPT2_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     if pre not in _GPT2_PRE:
@@ -104,7 +105,7 @@ def read_gguf_fields(path: str | Path) -> dict[str, Any]:
     tokenizer needs none of them. Falls back to the reader for anything this parser rejects."""
     try:
         return _parse_gguf_header(Path(path))
-    except (ValueError, struct.error, UnicodeDecodeError):
+    except (ValueError, KeyError, struct.error):
         import gguf
 
         reader = gguf.GGUFReader(str(path), "r")
@@ -195,7 +196,8 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], vocab: dict[str,
     unk = tokens[unk_id] if unk_id is not None else None
     hf = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=has_bytes, fuse_unk=True))
     space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first" if space_prefix else "never", split=False)
+    prepend = "first" if space_prefix else "never"
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend, split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     hf.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
     return hf
@@ -205,7 +207,9 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], vocab: dict[str,
 
 
 @dataclass(frozen=True)
-class _Specials:
+class SpecialTokens:
+    """Special ids and whether `encode` adds BOS/EOS, from whichever source the tokenizer came."""
+
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     extra_eos_ids: tuple[int, ...] = ()  # end-of-turn ids that also stop generation
@@ -218,14 +222,17 @@ class _Specials:
 class Tokenizer:
     """One model's tokenizer: encode/decode, special ids, and its chat template."""
 
-    def __init__(self, hf: HFTokenizer, specials: _Specials, chat_template: str | None, style: str) -> None:
-        self.hf = hf
+    def __init__(
+        self, hf: HFTokenizer, specials: SpecialTokens, chat_template: str | None, style: str
+    ) -> None:
+        self.backend = hf  # the HF `tokenizers` object (e.g. for incremental decoding)
         self._specials = specials
         self.chat_template = chat_template
         self._style = style  # "byte_level" | "sentencepiece" | "other": how token strings map to bytes
         self.bos_token_id, self.eos_token_id = specials.bos_token_id, specials.eos_token_id
         self.pad_token_id, self.unk_token_id = specials.pad_token_id, specials.unk_token_id
-        self.eos_token_ids = frozenset(i for i in (specials.eos_token_id, *specials.extra_eos_ids) if i is not None)
+        eos_ids = (specials.eos_token_id, *specials.extra_eos_ids)
+        self.eos_token_ids = frozenset(i for i in eos_ids if i is not None)
         self.bos_token = self._token_or_none(self.bos_token_id)
         self.eos_token = self._token_or_none(self.eos_token_id)
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -240,8 +247,9 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         hf = _tokenizer_from_gguf(meta)
         spm = meta.get("tokenizer.ggml.model") == "llama"
-        extra = tuple(meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta)
-        specials = _Specials(
+        end_of_turn = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        extra = tuple(meta[k] for k in end_of_turn if k in meta)
+        specials = SpecialTokens(
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
             extra_eos_ids=extra,
@@ -251,7 +259,8 @@ class Tokenizer:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         )
-        return cls(hf, specials, meta.get("tokenizer.chat_template"), "sentencepiece" if spm else "byte_level")
+        style = "sentencepiece" if spm else "byte_level"
+        return cls(hf, specials, meta.get("tokenizer.chat_template"), style)
 
     @classmethod
     def from_gguf_file(cls, path: str | Path) -> Tokenizer:
@@ -260,6 +269,8 @@ class Tokenizer:
     @classmethod
     def from_pretrained_dir(cls, path: str | Path) -> Tokenizer:
         root = Path(path)
+        if not (root / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{root} has no tokenizer.json")
         hf = HFTokenizer.from_file(str(root / "tokenizer.json"))
         config = _read_json(root / "tokenizer_config.json")
         for entry in (config.get("added_tokens_decoder") or {}).values():
@@ -281,7 +292,7 @@ class Tokenizer:
         for name in ("config.json", "generation_config.json"):
             ids = _read_json(root / name).get("eos_token_id")
             extra += ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
-        specials = _Specials(
+        specials = SpecialTokens(
             bos_token_id=bos if bos is not None else (prefix[0] if prefix else None),
             eos_token_id=eos if eos is not None else (extra[0] if extra else None),
             extra_eos_ids=tuple(extra),
@@ -296,10 +307,10 @@ class Tokenizer:
     # -- text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._wrap(self.hf.encode(text, add_special_tokens=False).ids, add_special_tokens)
+        return self._wrap(self.backend.encode(text, add_special_tokens=False).ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        encodings = self.hf.encode_batch(texts, add_special_tokens=False)
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_special_tokens) for e in encodings]
 
     def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
@@ -311,14 +322,14 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
-        return [self.hf.id_to_token(i) or "" for i in ids]
+        return [self.backend.id_to_token(i) or "" for i in ids]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (may be part of a UTF-8 character)."""
-        token = self.hf.id_to_token(token_id) or ""
+        token = self.backend.id_to_token(token_id) or ""
         if token_id in self._special_added:
             return token.encode()
         if self._style == "byte_level" and all(c in _CHAR_TO_BYTE for c in token):
@@ -330,7 +341,7 @@ class Tokenizer:
         return token.encode()
 
     def _token_or_none(self, token_id: int | None) -> str | None:
-        return None if token_id is None else self.hf.id_to_token(token_id)
+        return None if token_id is None else self.backend.id_to_token(token_id)
 
     # -- chat
 
@@ -391,7 +402,7 @@ def _flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ChatTemplateError(f"unsupported message content part {kind!r}; only text is supported")
+                    raise ChatTemplateError(f"unsupported message content part {kind!r}; only text works")
                 texts.append(str(part.get("text") or ""))
             message = {**message, "content": "\n".join(texts)}
         flat.append(message)
@@ -430,19 +441,12 @@ def _check_size(value: Any) -> Any:
     return value
 
 
-class _GuardedIterable:
-    """Wraps every `{% for %}` iterable so each iteration checks the deadline; keeps len()."""
-
-    def __init__(self, iterable: Any) -> None:
-        self._iterable = iterable
-
-    def __len__(self) -> int:
-        return len(self._iterable)
-
-    def __iter__(self) -> Iterator[Any]:
-        for item in self._iterable:
-            _tick()
-            yield item
+def _loop_guard(iterable: Any) -> Iterator[Any]:
+    """Wraps every `{% for %}` iterable, so each iteration checks the deadline (jinja's loop helper
+    lists the rest of an iterator when `loop.length` is asked for, so all loop features still work)."""
+    for item in iterable:
+        _tick()
+        yield item
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -490,14 +494,24 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
     # Not jinja's own tojson, which HTML-escapes <, > and &: prompts must show them verbatim.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _guard_filter(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Integer parameters (not the filtered value itself, which may well be a big number) are
+    # checked up front: a width like center(10**10) allocates before any other hook runs.
+    first_param = 2 if getattr(fn, "jinja_pass_arg", None) else 1  # after the context, if passed
+
     @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment markers
     def guarded(*args: Any, **kwargs: Any) -> Any:
         _tick()
-        for arg in (*args, *kwargs.values()):  # a width like center(10**9) allocates before any check
+        for arg in (*args[first_param:], *kwargs.values()):
             if isinstance(arg, int) and not isinstance(arg, bool):
                 _check_count(abs(arg))
         return _check_size(fn(*args, **kwargs))
@@ -511,8 +525,8 @@ def _make_environment() -> _BoundedSandbox:
     env.filters = {name: _guard_filter(fn) for name, fn in env.filters.items()}
     env.globals.update(
         raise_exception=_raise_exception,
-        strftime_now=lambda fmt: datetime.now().strftime(fmt),
-        _fornax_loop_guard=_GuardedIterable,
+        strftime_now=_strftime_now,
+        _fornax_loop_guard=_loop_guard,
     )
     return env
 
@@ -536,10 +550,11 @@ def _compile(source: str) -> jinja2.Template:
 def render_chat_template(source: str, context: dict[str, Any]) -> str:
     """Render `source` with `context` inside the sandbox, within RENDER_TIMEOUT_S and a size budget
     of MAX_TEMPLATE_OUTPUT plus 4x the size of the input. Any failure is a ChatTemplateError."""
-    input_size = len(json.dumps(context, default=str, ensure_ascii=False))
-    budget = _Budget(time.monotonic() + RENDER_TIMEOUT_S, MAX_TEMPLATE_OUTPUT + 4 * input_size)
-    token = _BUDGET.set(budget)
+    token = _BUDGET.set(None)
     try:
+        input_size = len(json.dumps(context, default=str, ensure_ascii=False))
+        budget = _Budget(time.monotonic() + RENDER_TIMEOUT_S, MAX_TEMPLATE_OUTPUT + 4 * input_size)
+        _BUDGET.set(budget)
         template = _compile(source)
         chunks, size = [], 0
         for chunk in template.generate(**context):

@@ -37,8 +37,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
-    # Requests freed since the last step (finished, aborted, preempted): the runner drops
-    # per-request state of finished ones; preempted ones keep theirs (their RNG goes on).
+    # Requests finished or aborted since the last step: the runner drops their state.
+    # Preempted requests are listed apart and keep theirs (their RNG state goes on).
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
 

@@ -185,6 +185,11 @@ class Scheduler:
         return min(n, threshold) if threshold > 0 else n
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: running requests first (in order), then admissions.
+
+        Never more than max_num_batched_tokens tokens or max_num_seqs running requests,
+        and never a zero-token entry. Changes statuses and block tables, not token counts.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}  # insertion order == batch order
         preempted: set[str] = set()
@@ -223,8 +228,12 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
-                    return budget  # it could not fit even by evicting all lower-priority work
+                    break  # it was the lowest-priority one left: it waits, the rest go on
                 block_ids = self.kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                # FCFS only picks itself when it is last in running order, so nothing is left;
+                # under 'priority' the rest outrank it and are still served this step.
+                continue
             scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
             budget -= num_new
         return budget

@@ -139,6 +139,39 @@ def test_pretrained_dir_reads_generation_config_eos(reference: Any, tmp_path: Pa
     assert tok.eos_token_id == 2 and tok.eos_token_ids == frozenset({0, 2})
 
 
+def test_gguf_add_bos_and_eos_flags(default_gguf: Path, ours: Tokenizer) -> None:
+    meta = read_gguf_fields(default_gguf)
+    meta |= {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}
+    tok = Tokenizer.from_gguf_metadata(meta)
+    bare = ours.encode("hi there")
+    assert tok.encode("hi there") == [1, *bare, 2]
+    assert tok.encode("hi there", add_special_tokens=False) == bare
+    # A rendered chat already holds its special tokens: tokenize=True must not add BOS/EOS again.
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = tok.apply_chat_template(chat)
+    assert tok.apply_chat_template(chat, tokenize=True) == ours.encode(rendered) == tok.encode(rendered)[1:-1]
+
+
+def test_pretrained_dir_follows_the_post_processor(ours: Tokenizer, tmp_path: Path) -> None:
+    """A tokenizer.json whose post-processor adds BOS (as Llama 3's does) without add_bos_token in
+    tokenizer_config.json: the wrapper adds BOS once, like the backend would."""
+    import copy
+    import json
+
+    from tokenizers import processors
+
+    backend = copy.deepcopy(ours.backend)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.chat_template) == (1, 2, None)
+    for text in CORPUS:
+        assert tok.encode(text) == backend.encode(text).ids == [1, *ours.encode(text)]
+
+
 def test_unknown_tokenizer_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'bert'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
@@ -160,8 +193,8 @@ def test_split_regexes_match_transformers(pre: str) -> None:
 
 
 def _toy_sentencepiece() -> dict[str, Any]:
-    pieces = ["▁", "h", "i", "e", "l", "o", "w", "r", "d", "▁h", "▁hi", "▁he", "ll", "▁hell", "▁hello"]
-    pieces += ["▁w", "or", "▁wor", "ld", "▁world"]
+    pieces = ["▁", "h", "i", "e", "l", "o", "w", "r", "d", "▁h", "▁hi", "▁he", "ll", "▁hell"]
+    pieces += ["▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     return {
         "tokenizer.ggml.model": "llama",
@@ -190,4 +223,4 @@ def test_sentencepiece_gguf_matches_transformers() -> None:
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
         if not text.startswith(" "):  # HF's Metaspace folds a leading space into the prefix one
             assert tok.decode(ids, skip_special_tokens=False) == text
-        assert b"".join(tok.token_bytes(i) for i in ids).lstrip(b" ") == text.encode()
+        assert b"".join(tok.token_bytes(i) for i in ids).lstrip(b" ") == text.lstrip(" ").encode()

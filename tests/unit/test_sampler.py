@@ -15,11 +15,12 @@ from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.sampler import (
     Sampler,
     SamplerOutput,
-    apply_min_p,
-    apply_top_k_top_p,
+    filter_random_logits,
+    min_p_threshold,
     process_logits,
     prompt_logprobs,
     to_token_logprobs,
+    top_k_top_p_threshold,
 )
 
 VOCAB = 64
@@ -107,25 +108,90 @@ def test_top_p_never_samples_outside_the_nucleus() -> None:
     assert abs(c[0] / n - 0.625) < 0.03
 
 
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """The logits with top-k / top-p applied at temperature 1 (filtered tokens at -inf)."""
+    ones = torch.ones(logits.shape[0])
+    threshold = top_k_top_p_threshold(logits, top_k, top_p, ones)  # [n, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 def test_top_k_top_p_masks_exactly() -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0, 4.0]])  # [2, 5]
-    out = logits.clone()
-    apply_top_k_top_p(out, torch.tensor([2, 0]), None)
     inf = float("-inf")
+    out = apply_top_k_top_p(logits, torch.tensor([2, 0]), None)
     assert torch.equal(out, torch.tensor([[3.0, inf, 2.0, inf, inf], [0.0, 1.0, 2.0, 3.0, 4.0]]))
     # Row 0: top-k 3 leaves {0, 2, 1}; renormalised, token 0 alone holds ~0.665 < 0.7, so
     # token 2 joins and token 1 (mass before it ~0.91) is cut. Row 1: top-p off.
-    out = logits.clone()
-    apply_top_k_top_p(out, torch.tensor([3, 0]), torch.tensor([0.7, 1.0]))
+    out = apply_top_k_top_p(logits, torch.tensor([3, 0]), torch.tensor([0.7, 1.0]))
     assert torch.equal(out, torch.tensor([[3.0, inf, 2.0, inf, inf], [0.0, 1.0, 2.0, 3.0, 4.0]]))
+
+
+def reference_filter(row: torch.Tensor, temperature: float, min_p: float, k: int, p: float) -> torch.Tensor:
+    """One row, the plain way: scale, min-p, full sort, cut to top-k, then to the nucleus of
+    what is left (renormalised)."""
+    scaled = (row / temperature).double()
+    probs = torch.softmax(scaled, dim=-1)
+    scaled = scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    values, order = scaled.sort(descending=True)
+    keep = torch.isfinite(values)
+    if k > 0:
+        keep[k:] = False
+    probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+    if p < 1.0:
+        keep &= (probs.cumsum(-1) - probs) < p
+    out = torch.full_like(scaled, float("-inf"))
+    out[order[keep]] = scaled[order[keep]]
+    return out
+
+
+# (temperature, min_p, top_k, top_p) per row, with row scales that make flat rows (nuclei of
+# thousands of tokens, so the candidate window must widen) and peaked ones.
+FILTER_ROWS = [
+    (1.0, 0.0, 0, 0.9, 0.1),
+    (1.0, 0.0, 0, 1.0, 1.0),
+    (0.7, 0.0, 300, 0.95, 0.2),
+    (1.0, 0.0, 40, 1.0, 1.0),
+    (1.3, 0.0, 0, 0.3, 3.0),
+    (1.0, 0.0, 4000, 0.99, 0.05),
+    (2.0, 0.0, 0, 0.999, 0.5),
+    (0.5, 0.05, 0, 0.9, 1.0),
+    (1.0, 0.2, 100, 0.8, 1.0),
+    (1.5, 0.001, 0, 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("use_min_p", [False, True])
+def test_filters_match_a_full_sort_reference(use_min_p: bool) -> None:
+    torch.manual_seed(9)
+    vocab = 5000
+    rows = [r if use_min_p else (r[0], 0.0, *r[2:]) for r in FILTER_ROWS]
+    scales = torch.tensor([r[4] for r in rows]).unsqueeze(1)  # [n, 1]
+    logits = torch.randn(len(rows), vocab) * scales  # [n, vocab]
+    requests = [
+        make_request(f"r{i}", temperature=t, min_p=m, top_k=k, top_p=p)
+        for i, (t, m, k, p, _) in enumerate(rows)
+    ]
+    out = filter_random_logits(logits, SamplingMetadata.build(requests, {}))  # [n, vocab]
+    for i, (t, m, k, p, _) in enumerate(rows):
+        expected = reference_filter(logits[i], t, m, k, p)
+        # The float32 cumsum may move the cut by a token with a near-zero margin.
+        assert int((torch.isinf(out[i]) != torch.isinf(expected)).sum()) <= 1, rows[i]
+        kept = torch.isfinite(out[i])
+        torch.testing.assert_close(out[i][kept], logits[i][kept] / t)
+    assert int(torch.isfinite(out[0]).sum()) > 1000  # the window really did widen
+    assert torch.isfinite(out[1]).all()
 
 
 def test_min_p_removes_tokens_below_threshold() -> None:
     probs = [0.4, 0.3, 0.2, 0.08, 0.02]
     logits = logits_from_probs(probs)  # [1, 5]
-    out = logits.clone()
-    apply_min_p(out, torch.tensor([0.3]))  # threshold 0.12
-    assert torch.isinf(out[0, 3:]).all() and torch.equal(out[0, :3], logits[0, :3])
+    threshold = min_p_threshold(logits, torch.tensor([0.3]), torch.tensor([1.0]))  # probability 0.12
+    assert (logits[0, :3] >= threshold[0]).all() and (logits[0, 3:] < threshold[0]).all()
+    # At temperature 2 the distribution flattens (p ~ sqrt(p)): 0.08 is now ~0.45 of the top, and stays.
+    threshold = min_p_threshold(logits, torch.tensor([0.3]), torch.tensor([2.0]))
+    assert (logits[0, :4] >= threshold[0]).all() and logits[0, 4] < threshold[0]
     torch.manual_seed(3)
     n = 3000
     sampled, _ = run([make_request(f"r{i}", min_p=0.3) for i in range(n)], logits_from_probs(probs, n))

@@ -37,8 +37,10 @@ class FakeRunner:
                 assert pool.blocks[block_id].ref_cnt == 1, "writing into a shared block"
                 self.slots[(block_id, t % self.bs)] = r.all_token_ids[t]
             if s.samples:
-                # Deterministic, and a function of the whole context as read from the cache.
-                sampled[r.request_id] = (31 * sum(context) + 7 * sum(r.all_token_ids[start:end]) + end) % 100
+                # Deterministic, a function of the whole sequence as read back from the cache,
+                # and independent of how the prompt was chunked.
+                seq = context + r.all_token_ids[start:end]
+                sampled[r.request_id] = sum((t + 1) * tok for t, tok in enumerate(seq)) * 31 % 97
         return ModelRunnerOutput(sampled=sampled)
 
 
@@ -65,8 +67,10 @@ def make(
 
 
 def req(rid: str, prompt: list[int] | int, max_tokens: int = 8, priority: int = 0, **kw: object) -> Request:
-    tokens = prompt if isinstance(prompt, list) else [(hash(rid) + i) % 100 for i in range(prompt)]
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **kw), priority=priority)  # type: ignore[arg-type]
+    offset = 17 * sum(map(ord, rid))  # deterministic (str hash() is salted per process)
+    tokens = prompt if isinstance(prompt, list) else [(offset + i) % 100 for i in range(prompt)]
+    params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    return Request(rid, tokens, params, priority=priority)
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
@@ -155,20 +159,23 @@ def test_budget_spans_many_requests_and_max_num_seqs_caps_running() -> None:
 
 
 def _workload() -> list[Request]:
-    return [req(f"p{i}", 6 + 3 * i, max_tokens=12 + i) for i in range(5)]
+    shared = [(5 * i) % 100 for i in range(10)]  # two sequences of one prompt, like n=2
+    return [req(f"p{i}", 6 + 3 * i, max_tokens=12 + i) for i in range(5)] + [
+        req("p5", shared, max_tokens=14),
+        req("p6", list(shared), max_tokens=15),
+    ]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_recomputes_to_identical_outputs(policy: str, prefix_caching: bool) -> None:
     ref_sched, ref_runner = make(num_blocks=1000, block_size=4, policy=policy, prefix_caching=prefix_caching)
-    for r in _workload():
+    ref_reqs = _workload()
+    for r in ref_reqs:
         ref_sched.add_request(r)
-    expected = {}
-    ref_reqs = [ref_sched.get_request(f"p{i}") for i in range(5)]
     run(ref_sched, ref_runner)
     assert ref_sched.num_preemptions_total == 0
-    expected = {r.request_id: r.output_token_ids for r in ref_reqs if r is not None}
+    expected = {r.request_id: r.output_token_ids for r in ref_reqs}
 
     sched, runner = make(num_blocks=10, block_size=4, budget=32, policy=policy, prefix_caching=prefix_caching)
     reqs = _workload()
@@ -185,39 +192,58 @@ def test_preemption_recomputes_to_identical_outputs(policy: str, prefix_caching:
 
 def test_fcfs_preempts_the_newest_and_requeues_it_first() -> None:
     sched, runner = make(num_blocks=6, block_size=4, budget=64)
-    a, b = req("a", 8, max_tokens=20), req("b", 8, max_tokens=20)
+    a, b = req("a", 8, max_tokens=16), req("b", 8, max_tokens=16)
     sched.add_request(a)
     sched.add_request(b)
     step(sched, runner)  # a: blocks 0 1, b: blocks 2 3
     assert sched.kv.get_block_ids("a") == [0, 1] and sched.kv.get_block_ids("b") == [2, 3]
-    for _ in range(4):  # tokens 8..11 live in a third block each: 4, 5
+    for _ in range(4):  # positions 8..11 live in a third block each: a 4, b 5
         out, _ = step(sched, runner)
         assert not out.preempted_request_ids
-    assert sched.kv.num_free_blocks == 0
+    assert sched.kv.get_block_ids("b") == [2, 3, 5] and sched.kv.num_free_blocks == 0
     out, _ = step(sched, runner)  # a needs a 4th block: b (newest) is preempted
     assert out.preempted_request_ids == {"b"}
     assert new_tokens(out) == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert sched.waiting.peek() is b and sched.kv.get_block_ids("b") == []
-    assert sched.kv.get_block_ids("a") == [0, 1, 4, 5]  # b's uncached tail block went first
+    # b's blocks were freed in reverse, so its last block (5) was evicted first.
+    assert sched.kv.get_block_ids("a") == [0, 1, 4, 5]
+    assert [blk.block_id for blk in sched.kv.pool.free_queue] == [3, 2]
     c = req("c", 3)
     sched.add_request(c)
-    out, _ = step(sched, runner)  # no admission in a step after... b is still ahead of c
-    assert list(sched.waiting)[:2] == [b, c] or b.status == RequestStatus.RUNNING
+    # b would hit its own blocks 2 and 3 but needs 2 more: nothing is admitted, and c,
+    # although it came later, stays behind the preempted b.
+    out, _ = step(sched, runner)
+    assert new_tokens(out) == {"a": 1} and list(sched.waiting) == [b, c]
     run(sched, runner)
-    assert b.num_output_tokens == 20 and b.num_cached_tokens == 0
+    assert a.num_output_tokens == b.num_output_tokens == 16 and c.num_output_tokens == 8
+    assert b.num_cached_tokens == 0  # recorded at first admission only
 
 
-def test_a_request_that_preempts_itself_stops_the_running_pass() -> None:
+def test_a_request_that_preempts_itself_waits() -> None:
     sched, runner = make(num_blocks=3, block_size=4, budget=64)
     a = req("a", 4, max_tokens=9)  # needs up to 12 tokens = 3 blocks
     b = req("b", 4, max_tokens=9)
     sched.add_request(a)
     sched.add_request(b)
-    outs = run(sched, runner)
-    assert sched.num_preemptions_total > 0
+    step(sched, runner)
+    out, _ = step(sched, runner)  # both need a 2nd block, one is free: b (newest) yields
+    assert out.preempted_request_ids == {"b"} and new_tokens(out) == {"a": 1}
+    run(sched, runner)
     assert a.num_output_tokens == b.num_output_tokens == 9
-    assert any(o.preempted_request_ids for o in outs)
+
+
+def test_priority_self_preemption_lets_the_others_run() -> None:
+    sched, runner = make(num_blocks=2, block_size=4, budget=64, policy="priority")
+    x = req("x", 4, max_tokens=5, priority=9)
+    y = req("y", 3, max_tokens=6, priority=0)
+    sched.add_request(x)
+    sched.add_request(y)
+    step(sched, runner)  # x takes block 0, y block 1; x comes first in running order
+    out, _ = step(sched, runner)  # x needs a 2nd block: it is the lowest priority itself
+    assert out.preempted_request_ids == {"x"} and new_tokens(out) == {"y": 1}
+    run(sched, runner)
+    assert x.num_output_tokens == 5 and y.num_output_tokens == 6
 
 
 def test_output_is_capped_to_fit_the_whole_cache_alone() -> None:
@@ -246,8 +272,9 @@ def test_abort_from_waiting_and_running_frees_everything() -> None:
     assert out.finished_request_ids == {"r0", "r2"} and new_tokens(out) == {"r1": 1}
     # Aborted between schedule() and update_from_output(): its step result is ignored.
     out = sched.schedule()
+    result = runner.execute(out)
     assert sched.abort_request("r1")
-    assert sched.update_from_output(out, runner.execute(out)) == []
+    assert sched.update_from_output(out, result) == []
     assert reqs[1].num_output_tokens == 2
     assert not sched.has_unfinished_requests() and sched.kv.usage == 0.0
     sched.kv.check_integrity()
@@ -289,16 +316,19 @@ def test_priority_policy_admits_by_priority_then_arrival() -> None:
 
 def test_priority_preemption_takes_back_an_already_scheduled_request() -> None:
     sched, runner = make(num_blocks=4, block_size=4, budget=64, policy="priority")
-    low = req("low", 4, max_tokens=20, priority=5)
-    high = req("high", 4, max_tokens=20, priority=0)
+    low = req("low", 2, max_tokens=10, priority=5)
+    high = req("high", 4, max_tokens=10, priority=0)
     sched.add_request(low)
-    step(sched, runner)  # low is admitted first and sits first in running order
+    step(sched, runner)  # low is admitted first and stays first in running order
     sched.add_request(high)
     while not sched.num_preemptions_total:
         out, _ = step(sched, runner)
+    # low was scheduled (it needed no block) before high ran out of blocks; as the
+    # lowest priority it is taken back out of this step and preempted.
     assert out.preempted_request_ids == {"low"} and new_tokens(out) == {"high": 1}
+    assert low.num_output_tokens == 6
     run(sched, runner)
-    assert low.num_output_tokens == high.num_output_tokens == 20
+    assert low.num_output_tokens == high.num_output_tokens == 10
 
 
 def test_prefix_cache_hit_for_a_request_sharing_a_256_token_prefix() -> None:
@@ -310,9 +340,10 @@ def test_prefix_cache_hit_for_a_request_sharing_a_256_token_prefix() -> None:
     assert a.num_cached_tokens == 0
     b = req("b", prefix + [2] * 30, max_tokens=4)
     sched.add_request(b)
-    out, _ = step(sched, runner)
+    out = sched.schedule()
     assert b.num_cached_tokens == 256 >= 240
     assert new_tokens(out) == {"b": 30} and out.scheduled[0].start == 256
+    sched.update_from_output(out, runner.execute(out))
     run(sched, runner)
     assert sched.kv.prefix_cache_hits == 256
     assert sched.kv.prefix_cache_queries == 276 + 286

@@ -1,0 +1,78 @@
+"""The real default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers on the same file, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fornax import LLM, SamplingParams
+from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.models.llama import KVCache
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "什么是 LLM 推理？",
+    "Once upon a time, in a small village by the sea,",
+    "List three prime numbers:",
+    "Translate to German: Good morning, how are you?",
+    "🚀 Rockets work because",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "A haiku about autumn:\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
+    )
+    # Compare full-length outputs: with EOS ignored on our side, transformers must not stop either.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm(default_gguf):
+    return LLM(str(default_gguf), dtype="float32", progress=False)
+
+
+def test_logits_match_transformers(llm, hf_model):
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Explain prefill and decode in one paragraph."}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    model = llm.engine.runner.model
+    cache = KVCache(llm.engine.model_config, 16, 16, torch.float32)
+    with torch.inference_mode():
+        blocks = list(range(15, 15 - (len(ids) + 15) // 16, -1))  # non-contiguous, reversed blocks
+        meta = build_attention_metadata([SeqSpan(0, len(ids), blocks)], 16)
+        ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_greedy_matches_transformers(llm, hf_model):
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    mismatches = []
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
+        if out.outputs[0].token_ids != ref:
+            mismatches.append((tok.decode(prompt), out.outputs[0].text, tok.decode(ref)))
+    assert not mismatches
+    llm.engine.check_integrity()
