@@ -123,3 +123,78 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
+
+
+def env_api_key_file() -> str | None:
+    return os.environ.get("FORNAX_API_KEY_FILE") or None
+
+
+def load_api_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(name, key) pairs from `--api-key` values, FORNAX_API_KEY and a key file.
+
+    A key file holds one key per line, optionally `name:key`; blank lines and `#` comments are
+    skipped. Keys given without a name are called `key-<n>` (n counts from 1 in order given), so
+    per-key usage never shows a secret.
+    """
+    raw: list[str] = list(keys)
+    if env_api_key():
+        raw.append(env_api_key() or "")
+    path = key_file or env_api_key_file()
+    if path:
+        try:
+            text = Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+        raw += [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    pairs: list[tuple[str, str]] = []
+    for n, entry in enumerate(raw, start=1):
+        name, sep, key = entry.partition(":")
+        name, key = (name.strip(), key.strip()) if sep and name.strip() and key.strip() else (f"key-{n}", entry)
+        if not key:
+            raise ConfigError("an API key must not be empty")
+        pairs.append((name, key))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server: where it listens, who may call it and how much one request may ask for."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)  # the first is the name in responses
+    api_keys: tuple[tuple[str, str], ...] = ()  # (name, key); empty: the server is open
+    public_metrics: bool = False
+    access_log: bool = True
+    log_level: str = "info"
+    shutdown_timeout_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
+    # Per-request bounds: each is a flag of `fornax serve`.
+    max_queued_requests: int = 256  # waiting requests beyond this get 429
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+    max_tokens_limit: int | None = None  # None: up to the context; larger requests are clamped
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_logit_bias: int = 300
+    max_top_logprobs: int = 20
+    max_messages: int = 1024
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not self.served_model_names:
+            raise ConfigError("at least one served model name is needed")
+        for name in ("max_queued_requests", "max_stop_strings", "max_logit_bias"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        for name in ("max_body_bytes", "max_n", "max_stop_string_chars", "max_messages", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ConfigError("max_tokens_limit must be at least 1")
+        if not 0 <= self.max_top_logprobs <= 20:
+            raise ConfigError("max_top_logprobs must be in [0, 20] (the engine's bound)")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError("shutdown_timeout_s must be >= 0")

@@ -73,12 +73,21 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         results: dict[str, RequestOutput] = {}
         order = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
-            request_id = str(next(self._ids))
-            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
-            results[request_id] = _new_output(request_id, prompt, ids, p.n)
-            order.append(request_id)
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+                request_id = str(next(self._ids))
+                ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
+                results[request_id] = _new_output(request_id, prompt, ids, p.n)
+                order.append(request_id)
+        except Exception:
+            # One bad prompt rejects the whole call: the ones already queued must not linger
+            # in the engine (a later call would meet their outputs and no result to put them in).
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            for _ in self._run():
+                pass
+            raise
         for out in self._run():
             _accumulate(results[out.request_id], out)
         return [results[r] for r in order]

@@ -3,45 +3,31 @@
 `Tokenizer` wraps a HF `tokenizers.Tokenizer` built either from a GGUF file's `tokenizer.ggml.*`
 metadata or from a HF directory (`tokenizer.json` + `tokenizer_config.json`). BOS/EOS are added by
 this wrapper from explicit flags, never by the backend's post-processor, so one rule holds for both
-sources. Chat templates render in jinja2's immutable sandbox with a time and size budget, because a
-template comes with the model file and must be treated as untrusted code.
+sources. Chat templates render in fornax.chat_template's bounded sandbox, because a template comes
+with the model file and must be treated as untrusted code.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import mmap
-import struct
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextvars import ContextVar
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import numpy as np
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-logger = logging.getLogger(__name__)
+from fornax.chat_template import ChatTemplateError, flatten_messages, render_chat_template
+from fornax.models.gguf_file import GGUFFile
 
-RENDER_TIMEOUT_S = 2.0
-MAX_TEMPLATE_OUTPUT = 1 << 20  # chars allowed beyond 4x the size of the input conversation
-_MAX_INT_BITS = 1 << 16  # `**` results above this many bits are refused (10**10**10 would never end)
+__all__ = ["ChatTemplateError", "SpecialTokens", "Tokenizer", "read_gguf_fields", "render_chat_template"]
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that is missing, broken, hostile or over budget; the message says which."""
 
 
 # ---- byte-level BPE alphabet -------------------------------------------------------------------
@@ -94,66 +80,11 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 # ---- GGUF metadata ----------------------------------------------------------------------------
 
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
 
 def read_gguf_fields(path: str | Path) -> dict[str, Any]:
-    """Key/value metadata of a GGUF file, in `GGUFReader.fields[k].contents()` shapes.
-
-    Reads only the header: `gguf.GGUFReader` also maps every tensor and takes seconds, while the
-    tokenizer needs none of them. Falls back to the reader for anything this parser rejects."""
-    try:
-        return _parse_gguf_header(Path(path))
-    except (ValueError, KeyError, struct.error):
-        import gguf
-
-        reader = gguf.GGUFReader(str(path), "r")
-        return {key: field.contents() for key, field in reader.fields.items()}
-
-
-def _parse_gguf_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        # A big-endian file shows its small version number byte-swapped when read little-endian.
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
-        version, _, n_kv = struct.unpack_from(order + "IQQ", buf, 4)
-        if version < 2:
-            raise ValueError("GGUF v1 has 32-bit counts")
-        pos = 24
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            (value,) = struct.unpack_from(order + fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return buf[pos - n : pos].decode("utf-8", errors="replace")
-
-        def value(vtype: int) -> Any:
-            nonlocal pos
-            if vtype == _GGUF_STRING:
-                return string()
-            if vtype != _GGUF_ARRAY:
-                return take(_GGUF_SCALAR[vtype])
-            etype, count = take("I"), take("Q")
-            if etype in (_GGUF_STRING, _GGUF_ARRAY):
-                return [value(etype) for _ in range(count)]
-            dtype = np.dtype(order + _GGUF_SCALAR[etype])
-            data = bytes(buf[pos : pos + dtype.itemsize * count])  # a copy: the mmap closes below
-            pos += len(data)
-            return np.frombuffer(data, dtype=dtype, count=count).tolist()
-
-        fields: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            fields[key] = value(take("I"))
-        return fields
+    """Key/value metadata of a GGUF file, in `GGUFReader.fields[k].contents()` shapes (the
+    loader's own header parser; raises GGUFFormatError, a ValueError, for a malformed file)."""
+    return GGUFFile(path).metadata
 
 
 def _tokenizer_from_gguf(meta: dict[str, Any]) -> HFTokenizer:
@@ -361,7 +292,7 @@ class Tokenizer:
             "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
             "pad_token": self._token_or_none(self.pad_token_id) or "",
             "unk_token": self._token_or_none(self.unk_token_id) or "",
-            **extra, "messages": _flatten_messages(messages), "tools": tools,
+            **extra, "messages": flatten_messages(messages), "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }  # fmt: skip
         text = render_chat_template(source, context)
@@ -388,185 +319,3 @@ def _token_style(hf: HFTokenizer) -> str:
     if "ByteLevel" in decoder:
         return "byte_level"
     return "sentencepiece" if "\u2581" in decoder or "Metaspace" in decoder else "other"
-
-
-def _flatten_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI content-part lists become one string, so string-only templates keep working."""
-    flat = []
-    for message in messages:
-        if not isinstance(message, dict):
-            raise ChatTemplateError(f"each message must be an object, got {type(message).__name__}")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ChatTemplateError(f"unsupported message content part {kind!r}; only text works")
-                texts.append(str(part.get("text") or ""))
-            message = {**message, "content": "\n".join(texts)}
-        flat.append(message)
-    return flat
-
-
-# ---- sandboxed, bounded chat template rendering -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Budget:
-    deadline: float
-    max_chars: int
-
-
-# The budget of the render running in this thread/task; the sandbox hooks below have no other way
-# to reach it, since jinja calls them without the render's variables.
-_BUDGET: ContextVar[_Budget | None] = ContextVar("fornax_chat_template_budget", default=None)
-
-
-def _tick() -> None:
-    budget = _BUDGET.get()
-    if budget is not None and time.monotonic() > budget.deadline:
-        raise ChatTemplateError(f"chat template took longer than {RENDER_TIMEOUT_S:g}s to render")
-
-
-def _check_count(count: int) -> None:
-    budget = _BUDGET.get()
-    if budget is not None and count > budget.max_chars:
-        raise ChatTemplateError(f"chat template built a value larger than {budget.max_chars} items")
-
-
-def _check_size(value: Any) -> Any:
-    if isinstance(value, str | list | tuple | dict):
-        _check_count(len(value))
-    return value
-
-
-def _loop_guard(iterable: Any) -> Iterator[Any]:
-    """Wraps every `{% for %}` iterable, so each iteration checks the deadline (jinja's loop helper
-    lists the rest of an iterator when `loop.length` is asked for, so all loop features still work)."""
-    for item in iterable:
-        _tick()
-        yield item
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus checks of time and size at every call, lookup and big operator."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        _tick()
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
-            if right > 0 and abs(left).bit_length() * right > _MAX_INT_BITS:
-                raise ChatTemplateError("chat template computed a number that is too large")
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(n, int):
-                    _check_count(len(seq) * n)
-        return super().call_binop(context, operator, left, right)
-
-    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-        _tick()
-        return _check_size(super().call(context, obj, *args, **kwargs))
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        return _check_size(super().getattr(obj, attribute))
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        return _check_size(super().getitem(obj, argument))
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it):
-    renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
-    # Not jinja's own tojson, which HTML-escapes <, > and &: prompts must show them verbatim.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _guard_filter(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # Integer parameters (not the filtered value itself, which may well be a big number) are
-    # checked up front: a width like center(10**10) allocates before any other hook runs.
-    first_param = 2 if getattr(fn, "jinja_pass_arg", None) else 1  # after the context, if passed
-
-    @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment markers
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        _tick()
-        for arg in (*args[first_param:], *kwargs.values()):
-            if isinstance(arg, int) and not isinstance(arg, bool):
-                _check_count(abs(arg))
-        return _check_size(fn(*args, **kwargs))
-
-    return guarded
-
-
-def _make_environment() -> _BoundedSandbox:
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters = {name: _guard_filter(fn) for name, fn in env.filters.items()}
-    env.globals.update(
-        raise_exception=_raise_exception,
-        strftime_now=_strftime_now,
-        _fornax_loop_guard=_loop_guard,
-    )
-    return env
-
-
-_ENV = _make_environment()
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    try:
-        tree = _ENV.parse(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template does not parse (line {exc.lineno}): {exc.message}") from None
-    # Loops without calls inside them would otherwise never reach a sandbox hook.
-    for loop in tree.find_all(nodes.For):
-        guard = nodes.Name("_fornax_loop_guard", "load", lineno=loop.lineno)
-        loop.iter = nodes.Call(guard, [loop.iter], [], None, None, lineno=loop.lineno)
-    return _ENV.from_string(tree)
-
-
-def render_chat_template(source: str, context: dict[str, Any]) -> str:
-    """Render `source` with `context` inside the sandbox, within RENDER_TIMEOUT_S and a size budget
-    of MAX_TEMPLATE_OUTPUT plus 4x the size of the input. Any failure is a ChatTemplateError."""
-    token = _BUDGET.set(None)
-    try:
-        input_size = len(json.dumps(context, default=str, ensure_ascii=False))
-        budget = _Budget(time.monotonic() + RENDER_TIMEOUT_S, MAX_TEMPLATE_OUTPUT + 4 * input_size)
-        _BUDGET.set(budget)
-        template = _compile(source)
-        chunks, size = [], 0
-        for chunk in template.generate(**context):
-            size += len(chunk)
-            if size > budget.max_chars:
-                raise ChatTemplateError(f"chat template output exceeds {budget.max_chars} characters")
-            _tick()
-            chunks.append(chunk)
-        return "".join(chunks)
-    except ChatTemplateError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - template code may raise anything
-        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-    finally:
-        _BUDGET.reset(token)

@@ -53,6 +53,7 @@ class EngineCore:
         self.children: dict[str, list[str]] = {}  # parent id -> child request ids
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
+        self.last_step: tuple[int, int] = (0, 0)  # (batched tokens, sequences) of the last step
         torch.manual_seed(config.seed)
 
     # -- requests in and out --
@@ -101,6 +102,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
+        self.last_step = (sched.num_batched_tokens, len(sched.scheduled))
         if sched.is_empty:
             self.runner.execute(sched)  # still drops finished requests' RNG state
             return outputs

@@ -145,7 +145,12 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWe
     from gguf.quants import dequantize
 
     gguf_file = read_gguf(path)
+    if gguf_file.byte_order != "<":  # the dequantizers read block scales as little-endian
+        raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian files can be loaded")
     metadata = gguf_file.metadata
+    for t in gguf_file.tensors:  # refuse before any work, whatever else the file holds
+        if t.type_name not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"tensor {t.name} has unsupported GGUF quant type {t.type_name}")
     config = gguf_model_config(metadata, name=path.stem)
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]
@@ -153,8 +158,6 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWe
     freq_factors: torch.Tensor | None = None
     bar = tqdm(gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
-        if t.type_name not in SUPPORTED_GGUF_TYPES:
-            raise ModelLoadError(f"tensor {t.name} has unsupported GGUF quant type {t.type_name}")
         array = dequantize(t.data, t.qtype)  # numpy, HF (row-major) shape
         if t.name == "rope_freqs.weight":
             freq_factors = torch.tensor(np.asarray(array, dtype=np.float32))

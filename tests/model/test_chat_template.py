@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-import fornax.tokenizer as tokenizer_module
-from fornax.tokenizer import ChatTemplateError, Tokenizer, render_chat_template
+import fornax.chat_template as chat_template_module
+from fornax.chat_template import ChatTemplateError, render_chat_template
+from fornax.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "什么是 LLM 推理？ Answer in <b>one</b> line & be \"exact\"."}
@@ -147,7 +148,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("template", HOSTILE)
 def test_hostile_templates_fail_fast(template: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenizer_module, "RENDER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(chat_template_module, "RENDER_TIMEOUT_S", 0.5)
     start = time.monotonic()
     with pytest.raises(ChatTemplateError):
         render_chat_template(template, {"messages": [USER]})
@@ -158,7 +159,7 @@ def test_default_timeout_bounds_a_silent_loop() -> None:
     start = time.monotonic()
     with pytest.raises(ChatTemplateError, match="longer than 2s"):
         render_chat_template(HOSTILE[2], {})
-    assert time.monotonic() - start < tokenizer_module.RENDER_TIMEOUT_S + 1.0
+    assert time.monotonic() - start < chat_template_module.RENDER_TIMEOUT_S + 1.0
 
 
 def test_large_but_legitimate_prompts_render(ours: Tokenizer) -> None:
@@ -169,8 +170,8 @@ def test_large_but_legitimate_prompts_render(ours: Tokenizer) -> None:
 
 
 def test_compiled_templates_are_cached(ours: Tokenizer) -> None:
-    tokenizer_module._compile.cache_clear()
+    chat_template_module._compile.cache_clear()
     for _ in range(3):
         ours.apply_chat_template([USER])
-    info = tokenizer_module._compile.cache_info()
+    info = chat_template_module._compile.cache_info()
     assert (info.misses, info.hits) == (1, 2)

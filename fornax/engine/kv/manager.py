@@ -85,6 +85,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # a cached prefix has no logits left to score its prompt tokens with
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for i in range(max_blocks):  # hashes are computed lazily: a miss stops the walk

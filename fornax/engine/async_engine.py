@@ -1,0 +1,203 @@
+"""asyncio facade over EngineCore: submit, `async for` outputs, abort.
+
+The core runs in one dedicated thread that loops schedule -> execute -> update. Why a
+thread and not the event loop or another process: a step is a few to a few hundred
+milliseconds of torch work, which releases the GIL, so HTTP parsing, tokenization and
+SSE writing go on in the event loop while the model computes; a process would add a
+copy of every token across a pipe and a second copy of the tokenizer for little gain at
+this size. All engine state is touched by the engine thread only: callers talk to it
+through a command queue, and outputs come back via `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from fornax.config import EngineConfig
+from fornax.engine.core import EngineCore, build_engine_core
+from fornax.engine.outputs import EngineOutput
+from fornax.engine.request import SamplingParams
+
+
+@dataclass
+class StepStats:
+    """One engine step, for metrics and live views (read by listeners in the engine thread)."""
+
+    time: float
+    duration_s: float
+    num_batched_tokens: int
+    num_seqs: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    outputs: list[EngineOutput]
+
+
+StepListener = Callable[[StepStats], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; no more requests can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.model_config = core.model_config
+        self.max_model_len = core.max_model_len
+        self._commands: queue.SimpleQueue[tuple[str, Any, Future | None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self.listeners: list[StepListener] = []
+        self.last_stats: StepStats | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> AsyncEngine:
+        return cls(build_engine_core(config, progress=progress))
+
+    # -- lifecycle --
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="fornax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # -- requests --
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[EngineOutput]:
+        """Submit a request and yield its outputs; leaving the loop early aborts it."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        stream: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        done = Future()
+        self._submit("add", (request_id, prompt_token_ids, params, priority), done)
+        try:
+            await asyncio.wrap_future(done)  # raises the core's ValueError for bad input
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        remaining = params.n
+        try:
+            while remaining:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            if self._streams.pop(request_id, None) is not None and remaining:
+                self.abort(request_id)  # the consumer went away (client disconnect, cancel)
+
+    def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id, None)
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run `fn(core)` in the engine thread between steps (for reads that need consistency)."""
+        done: Future = Future()
+        self._submit("call", fn, done)
+        return await asyncio.wrap_future(done)
+
+    def _submit(self, kind: str, payload: Any, done: Future | None) -> None:
+        self._commands.put((kind, payload, done))
+        self._wake.set()
+
+    # -- the engine thread --
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.core.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                start = time.monotonic()
+                outputs = self.core.step()
+                self._after_step(start, outputs)
+        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"engine stopped: {type(exc).__name__}: {exc}"))
+            raise
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "add":
+                    self.core.add_request(*payload)
+                    result = None
+                elif kind == "abort":
+                    self.core.abort_request(payload)
+                    result = None
+                else:
+                    result = payload(self.core)
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                if done is not None:
+                    done.set_exception(exc)
+                continue
+            if done is not None:
+                done.set_result(result)
+
+    def _after_step(self, start: float, outputs: list[EngineOutput]) -> None:
+        sched = self.core.scheduler
+        last = self.core.last_step
+        stats = StepStats(
+            time=time.time(),
+            duration_s=time.monotonic() - start,
+            num_batched_tokens=last[0],
+            num_seqs=last[1],
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=sched.kv_cache_usage,
+            num_preemptions_total=sched.num_preemptions_total,
+            outputs=outputs,
+        )
+        self.last_stats = stats
+        for listener in self.listeners:
+            listener(stats)
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        """In the event loop: hand each output to its request's stream."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        if self._loop is None:
+            return
+
+        def fail() -> None:
+            for stream in self._streams.values():
+                stream.put_nowait(exc)
+
+        self._loop.call_soon_threadsafe(fail)

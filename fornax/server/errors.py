@@ -1,0 +1,106 @@
+"""The OpenAI error envelope, and the handlers that make every failure use it.
+
+Every error a client can see is `{"error": {"message", "type", "param", "code"}}`, with a
+4xx status for anything the client did and 500 only for real bugs (logged with their
+traceback here, never sent to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("fornax.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,  # noqa: A002 - the envelope's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param, self.code, self.headers = param, code, headers
+
+    def envelope(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    """Pydantic's list of errors -> one 400 naming the first offending field."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # Unions report the branch they tried (e.g. `str`, `list[int]`): keep only real field names.
+    param = ".".join(p for p in loc if not _is_type_tag(p)) or None
+    msg = str(first.get("msg", "invalid value"))
+    where = f"'{param}': " if param else ""
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return bad_request(f"{where}{msg}{more}", param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return any(c in part for c in "[]()") or part in {"str", "int", "float", "bool", "list", "dict"} or \
+        part.startswith(("function-", "constrained-", "lax-", "strict-"))  # fmt: skip
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = {404: "no such route", 405: "method not allowed"}.get(status, str(exc.detail))
+        code = {404: "unknown_url"}.get(status)
+        return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, "internal server error", code="internal_error").response()

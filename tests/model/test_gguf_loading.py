@@ -1,0 +1,218 @@
+"""GGUF loading: quant types, llama.cpp's Q/K permutation, and clear errors for bad files.
+
+GGUF files are written here with the `gguf` package's own writer from a tiny transformers
+model, so every check compares against an independent reference.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.models import load_model
+from fornax.models.llama import KVCache
+from fornax.models.loader import ModelLoadError, load_gguf
+from fornax.models.registry import ModelSourceError, resolve_model
+from tests.model.tiny_models import build_tiny_model
+
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}  # fmt: skip
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama Q/K rows (pairs interleaved per head)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama") -> dict[str, np.ndarray]:
+    """Write a tiny HF Llama as a llama.cpp-style GGUF; returns the dequantized reference of each tensor."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    reference = {}
+    for name, tensor in hf_model.state_dict().items():
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers.") :].split(".", 1)
+            gguf_name = f"blk.{layer}.{_LAYER_NAMES[rest]}"
+        else:
+            gguf_name = _GGUF_NAMES[name]
+        w = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            w = _llama_cpp_permute(w, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        if w.ndim == 2 and qtype != Q.F32:
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+            reference[gguf_name] = gguf.quants.dequantize(data, qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+            reference[gguf_name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    return build_tiny_model("llama", out)
+
+
+def test_permuted_f32_gguf_matches_transformers(tiny_llama, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(tiny_llama, path)
+    loaded = load_model(path, "float32", progress=False)
+    ids = list(range(3, 40))
+    cache = KVCache(loaded.config, 4, 16, torch.float32)
+    with torch.inference_mode():
+        meta = build_attention_metadata([SeqSpan(0, len(ids), [1, 3, 0])], 16)
+        ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
+        ref = tiny_llama(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_quant_types_dequantize_like_gguf(tiny_llama, tmp_path, qtype):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    reference = write_llama_gguf(tiny_llama, path, qtype)
+    weights = load_gguf(path, torch.float32, progress=False)
+    # Q/K come back un-permuted, everything else as written.
+    cfg = weights.config
+    q_ref = _unpermute(reference["blk.0.attn_q.weight"], cfg.num_attention_heads)
+    assert np.array_equal(weights.tensors["model.layers.0.self_attn.q_proj.weight"].numpy(), q_ref)
+    down = weights.tensors["model.layers.1.mlp.down_proj.weight"].numpy()
+    assert np.array_equal(down, reference["blk.1.ffn_down.weight"])
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but well-formed K-quant blocks: sane fp16 scales, random quants and sub-scales."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block_elems
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin at the start
+        raw[:, 0:2], raw[:, 2:4] = scale, scale
+    else:  # Q6_K: d at the end
+        raw[:, -2:] = scale
+    return raw.reshape(rows, cols // block_elems * block_bytes)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_k_quants_dequantize_like_gguf(tmp_path, qtype):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = _random_k_blocks(qtype, 8, 512, rng)
+    writer.add_tensor("blk.0.ffn_down.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from fornax.models.gguf_file import GGUFFile
+
+    (tensor,) = GGUFFile(path).tensors
+    assert tensor.shape == (8, 512) and tensor.qtype == qtype
+    ours = gguf.quants.dequantize(tensor.data, tensor.qtype)
+    assert np.array_equal(ours, gguf.quants.dequantize(data, qtype))
+    assert np.isfinite(ours).all() and ours.std() > 0
+
+
+# -- bad input: one clear error, never a traceback --
+
+
+def test_missing_file_and_unknown_alias(tmp_path):
+    with pytest.raises(ModelSourceError, match="not found"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelSourceError, match="unknown model 'no-such-model'"):
+        resolve_model("no-such-model")
+
+
+def test_corrupt_and_truncated_gguf(tiny_llama, tmp_path):
+    good = tmp_path / "good.gguf"
+    write_llama_gguf(tiny_llama, good)
+    blob = good.read_bytes()
+    bad_magic = tmp_path / "magic.gguf"
+    bad_magic.write_bytes(b"GGUX" + blob[4:])
+    with pytest.raises(ModelLoadError, match="bad magic"):
+        load_gguf(bad_magic, torch.float32, progress=False)
+    for cut, message in [(100, "truncated"), (len(blob) - 64, "truncated")]:
+        short = tmp_path / f"short{cut}.gguf"
+        short.write_bytes(blob[:cut])
+        with pytest.raises(ModelLoadError, match=message):
+            load_gguf(short, torch.float32, progress=False)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="empty"):
+        load_gguf(empty, torch.float32, progress=False)
+
+
+def test_unsupported_architecture_and_quant_type(tiny_llama, tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_llama_gguf(tiny_llama, path, arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        load_gguf(path, torch.float32, progress=False)
+    path = tmp_path / "q2k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((2, 84), dtype=np.uint8), raw_dtype=Q.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF quant type Q2_K"):
+        load_gguf(path, torch.float32, progress=False)
+
+
+def test_bad_hf_directories(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelSourceError, match="no \\*.safetensors"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(tmp_path, "float32", progress=False)
+
+
+def test_cli_prints_one_line_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"hello, not a model")
+    for model in [str(bad), str(tmp_path / "missing.gguf"), "no-such-alias"]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fornax.cli", "generate", "hi", "--model", model],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 1
+        assert "Traceback" not in proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("fornax: error:"), proc.stderr
