@@ -112,7 +112,11 @@ class EngineCore:
         for req in self.scheduler.update_from_output(sched, result):
             token = req.output_token_ids[-1]
             seq = self.seqs[req.request_id]
-            stop = seq.detok.update([token])
+            # A token that ended the request (EOS, a stop token id) stays out of the text unless
+            # asked for, like a stop string (vLLM's semantics); it is still in the token ids.
+            on_stop_token = req.status == RequestStatus.FINISHED_STOPPED
+            hide = on_stop_token and not req.sampling_params.include_stop_str_in_output
+            stop = None if hide else seq.detok.update([token])
             if stop is not None and not req.is_finished:
                 req.stop_reason = stop
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
