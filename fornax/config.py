@@ -116,6 +116,11 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
+    # Weight form for steps of at most `small_step_max_rows` tokens (decode-heavy steps):
+    # None keeps the weights exact (an fp32 GEMV copy when dtype is bf16); "int8"/"int4"
+    # use weight-only quantized kernels. Larger steps always use the dense weights.
+    quantization: str | None = None
+    small_step_max_rows: int = 8
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
@@ -123,6 +128,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.small_step_max_rows < 0:
+            raise ConfigError("small_step_max_rows must be >= 0")
+
+    @property
+    def small_step_method(self) -> str | None:
+        """Kernel for small steps, or None when the dense weights are already the fast path."""
+        if self.quantization is not None:
+            return self.quantization
+        return "fp32" if self.dtype in ("bfloat16", "float16") else None
 
 
 def env_api_key_file() -> str | None:

@@ -25,6 +25,8 @@ class LLM:
         model: str = DEFAULT_MODEL,
         dtype: str = "bfloat16",
         *,
+        quantization: str | None = None,
+        small_step_max_rows: int = 8,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
@@ -40,6 +42,8 @@ class LLM:
         config = EngineConfig(
             model=str(model),
             dtype=dtype,
+            quantization=quantization,
+            small_step_max_rows=small_step_max_rows,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),

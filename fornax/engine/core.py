@@ -196,7 +196,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     """Resolve and load the model and its tokenizer, then size the cache and build the core."""
     from fornax.models import load_model
 
-    loaded = load_model(config.model, config.dtype, progress=progress)
+    method = config.small_step_method
+    small_step = (method, config.small_step_max_rows) if method else None
+    loaded = load_model(config.model, config.dtype, progress=progress, small_step=small_step)
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
     else:

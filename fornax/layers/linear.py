@@ -1,10 +1,90 @@
-"""Linear layers. A plain dense layer now; quantized methods plug in behind the same call."""
+"""Linear layers: one dense weight, plus an optional second form for small steps.
+
+On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
+rows (decode), bf16 matmuls through oneDNN are slow and weight-only int8/int4 kernels or an
+fp32 GEMV are several times faster; with many rows (prefill), bf16 wins. So a Linear keeps
+its dense weight and, when configured, a "small-step" form chosen by `method`; `forward`
+picks by the row count of its input. The forms are small classes in a registry
+(DESIGN.md rule 8), not branches inside the hot loop.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class LinearMethod(Protocol):
+    """A way to compute x W^T for a fixed W."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Float32Gemv:
+    """The same weights in fp32: MKL's GEMV beats oneDNN's bf16 path at a handful of rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.float().contiguous()  # [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight).to(x.dtype)
+
+
+class Int8PerChannel:
+    """Weight-only int8, symmetric per output channel; activations stay bf16."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+        self.scale = scale.to(torch.bfloat16)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
+
+
+class Int4Grouped:
+    """Weight-only int4, asymmetric per group of `group_size` input channels.
+
+    torch's packed layout computes w = (q - 8) * scale + zero with q in [0, 15].
+    """
+
+    def __init__(self, weight: torch.Tensor, group_size: int = 32) -> None:
+        out_f, in_f = weight.shape
+        if in_f % group_size:
+            raise ValueError(f"in_features {in_f} is not a multiple of the int4 group size {group_size}")
+        w = weight.float().view(out_f, in_f // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        self.init_packed(q.view(out_f, in_f), scale, lo + 8.0 * scale, group_size)
+
+    def init_packed(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
+        """q: [out, in] int32 in [0, 15]; scale, zero: [out, groups]."""
+        self.group_size = group_size
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        # [groups, out, 2] bf16, the layout the kernel reads
+        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._q = q  # kept only for dequantize() in tests; small next to the dense weight
+
+    def dequantize(self) -> torch.Tensor:
+        out_f, in_f = self._q.shape
+        sz = self.scale_zero.float().transpose(0, 1)  # [out, groups, 2]
+        q = self._q.float().view(out_f, in_f // self.group_size, self.group_size)
+        return ((q - 8.0) * sz[..., 0:1] + sz[..., 1:2]).view(out_f, in_f)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
+        return y.to(x.dtype)
+
+
+SMALL_STEP_METHODS: dict[str, type] = {"fp32": Float32Gemv, "int8": Int8PerChannel, "int4": Int4Grouped}
 
 
 class Linear(nn.Module):
@@ -15,6 +95,16 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.small: LinearMethod | None = None
+        self.small_max_rows = 0
+
+    def set_small_step_method(self, method: str, max_rows: int) -> None:
+        """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest)."""
+        self.small = SMALL_STEP_METHODS[method](self.weight.data)
+        self.small_max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small_max_rows:
+            y = self.small(x)
+            return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
+from fornax.layers.linear import Linear
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
@@ -41,7 +42,12 @@ def load_weights(resolved: ResolvedModel, dtype: torch.dtype, progress: bool = T
     return load_hf_dir(resolved.hf_dir, dtype, progress)
 
 
-def load_model(source: str | Path, dtype: str = "bfloat16", progress: bool = True) -> LoadedModel:
+def load_model(
+    source: str | Path,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+    small_step: tuple[str, int] | None = None,
+) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
@@ -60,6 +66,10 @@ def load_model(source: str | Path, dtype: str = "bfloat16", progress: bool = Tru
     with torch.no_grad():
         model.load_weights(weights.tensors)
     model.eval()
+    if small_step is not None and small_step[1] > 0:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.set_small_step_method(*small_step)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 
