@@ -22,7 +22,10 @@ pull: setup
 	$(BIN)/fornax pull $(MODEL)
 
 run: pull
-	$(BIN)/fornax generate --model $(MODEL) "What is LLM inference? Answer in two sentences."
+	@echo "fornax: serving $(MODEL) on http://$(HOST):$(PORT)  (Ctrl-C to stop). Try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"What is LLM inference?\"}]}'"
+	$(BIN)/fornax serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: pull
 	$(BIN)/python -m pytest -q tests

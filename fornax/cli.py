@@ -1,4 +1,4 @@
-"""`fornax pull | generate | chat` (and, as they land, serve and bench).
+"""`fornax pull | generate | chat | serve | bench serve`.
 
 Errors a user can cause (a bad path, an unknown alias, a broken file, a bad parameter)
 print one line to stderr and exit 1, never a traceback.
@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from fornax.config import DEFAULT_MODEL, ConfigError
+from fornax.config import DEFAULT_MODEL, CacheConfig, ConfigError, SchedulerConfig, ServerConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,44 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    from fornax.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    _add_model_args(p)
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port)
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use for the model (repeatable; default: the model argument)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted key, optionally name:key (repeatable)")
+    p.add_argument("--api-key-file", default=None, help="file with one key (or name:key) per line")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=defaults.access_log)
+    p.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    limits = p.add_argument_group("per-request limits")
+    for name, kind in [("max_queued_requests", int), ("max_body_bytes", int), ("max_n", int),
+                       ("max_tokens_limit", int), ("max_stop_strings", int), ("max_stop_string_chars", int),
+                       ("max_logit_bias", int), ("max_top_logprobs", int), ("max_messages", int),
+                       ("max_prompts", int)]:  # fmt: skip
+        limits.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
+    engine = p.add_argument_group("engine")
+    sched, cache = SchedulerConfig(), CacheConfig()
+    engine.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    engine.add_argument("--max-model-len", type=int, default=sched.max_model_len)
+    engine.add_argument("--scheduling-policy", default=sched.policy, choices=["fcfs", "priority"])
+    engine.add_argument("--block-size", type=int, default=cache.block_size)
+    engine.add_argument("--num-blocks", type=int, default=None)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--seed", type=int, default=0)
 
 
 def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -107,20 +144,51 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from fornax.config import EngineConfig, load_api_keys, parse_memory_size
+    from fornax.server.app import serve
+
+    model = args.model_arg or args.model
+    server_config = ServerConfig(
+        host=args.host, port=args.port,
+        served_model_names=tuple(args.served_model_name or [model]),
+        api_keys=load_api_keys(args.api_key, args.api_key_file),
+        public_metrics=args.public_metrics, access_log=args.access_log, log_level=args.log_level,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit, max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars, max_logit_bias=args.max_logit_bias,
+        max_top_logprobs=args.max_top_logprobs, max_messages=args.max_messages, max_prompts=args.max_prompts,
+    )  # fmt: skip
+    engine_config = EngineConfig(
+        model=model, dtype=args.dtype, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
+                          num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len, policy=args.scheduling_policy),
+    )  # fmt: skip
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(server_config, engine_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from fornax.models.loader import ModelLoadError
     from fornax.models.registry import ModelSourceError
 
     args = build_parser().parse_args(argv)
-    handlers = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat}
+    from fornax.bench.cli import run_bench
+
+    handlers = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": run_bench}
     try:
-        handlers[args.command](args)
+        code = handlers[args.command](args)
     except (ModelSourceError, ModelLoadError, ConfigError, ValueError) as exc:
         print(f"fornax: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

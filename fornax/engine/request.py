@@ -117,6 +117,8 @@ class SamplingParams:
                 bad(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def validate_against_vocab(self, vocab_size: int) -> None:
+        if self.top_k >= vocab_size:
+            self.top_k = 0  # keeping every token is what "no top-k" means; torch.topk would refuse k > vocab
         for token_id in list((self.logit_bias or {}).keys()) + list(self.stop_token_ids or []):
             if token_id >= vocab_size:
                 raise SamplingParamsError(
@@ -172,6 +174,8 @@ class Request:
     ) -> None:
         if not prompt_token_ids:
             raise SamplingParamsError("prompt", "the prompt must contain at least one token")
+        if not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise SamplingParamsError("priority", f"priority must be a 32-bit integer, got {priority!r}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

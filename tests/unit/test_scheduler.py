@@ -360,3 +360,16 @@ def test_bad_requests_raise_clear_errors() -> None:
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(req("z", 3))
     assert sched.num_waiting == 1
+
+
+def test_request_rejects_out_of_range_priority_and_clamps_top_k():
+    import pytest
+
+    from fornax.engine.request import Request, SamplingParams, SamplingParamsError
+
+    with pytest.raises(SamplingParamsError) as err:
+        Request("r", [1, 2], SamplingParams(), priority=10**30)
+    assert err.value.param == "priority"
+    params = SamplingParams(top_k=10**6)
+    params.validate_against_vocab(1000)
+    assert params.top_k == 0

@@ -1,0 +1,277 @@
+"""HTTP routes: parse and bound a request, hand it to the async engine, shape the answer.
+
+No scheduling logic lives here: admission control is one comparison against
+--max-queued-requests, everything else is the engine's. Authentication, loading and
+draining are handled before routing (auth.Gate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from fornax import __version__
+from fornax.engine.async_engine import AsyncEngine, EngineDeadError
+from fornax.engine.request import SamplingParams
+from fornax.server.auth import key_name
+from fornax.server.errors import ApiError, bad_request
+from fornax.server.generation import ClientGone, Generation, unless_disconnected
+from fornax.server.limits import (
+    build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_token_ids,
+    num_logprobs, parse_model, read_json_body, resolve_max_tokens,
+)  # fmt: skip
+from fornax.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
+)  # fmt: skip
+from fornax.server.responses import (
+    TokenText, chat_completion, chat_stream, collect, completion, completion_stream,
+)  # fmt: skip
+from fornax.server.state import ServerState
+
+router = APIRouter()
+CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by the client
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fornax
+
+
+def _engine(state: ServerState) -> AsyncEngine:
+    if state.engine is None:  # the gate answers 503 before this; kept for direct callers
+        raise ApiError(503, "the model is still loading", code="service_unavailable")
+    return state.engine
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _check_model(state: ServerState, model: str | None) -> str:
+    names = state.config.served_model_names
+    if model is None or model == "":
+        return names[0]
+    if model not in names:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves {', '.join(names)}",
+                       param="model", code="model_not_found")  # fmt: skip
+    return model
+
+
+def _admit(state: ServerState) -> None:
+    if state.num_queued >= state.config.max_queued_requests:
+        state.num_rejected_queue_full += 1
+        raise ApiError(429, "too many requests are waiting; retry later", code="queue_full",
+                       headers={"Retry-After": str(state.config.retry_after_s)})  # fmt: skip
+
+
+# ---- health and metadata ---------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.ready:
+        return JSONResponse({"status": "ok"})
+    status = "draining" if state.draining else "error" if state.load_error else "loading"
+    message = {"draining": "the server is shutting down", "loading": "the model is still loading"}.get(
+        status, f"the model failed to load: {state.load_error}"
+    )
+    return ApiError(503, message, code=status, headers={"Retry-After": "1"}).response()
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = _state(request)
+    engine = _engine(state)
+    cards = [ModelCard(id=name, created=int(state.started_at), max_model_len=engine.max_model_len)
+             for name in state.config.served_model_names]  # fmt: skip
+    return _json(ModelList(data=cards))
+
+
+# ---- generation --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    engine = _engine(state)
+    req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    model = _check_model(state, req.model)
+    vocab = engine.model_config.vocab_size
+    check_sampling_fields(req, state.config, vocab)
+    messages = check_messages(req.messages, state.config)
+    k = num_logprobs(req, state.config)
+    try:
+        ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
+                                      add_generation_prompt=True, tokenize=True)  # fmt: skip
+    except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
+        raise bad_request(str(exc), param="messages") from None
+    assert isinstance(ids, list)
+    use_new = req.max_completion_tokens is not None
+    max_tokens = resolve_max_tokens(req.max_completion_tokens if use_new else req.max_tokens, len(ids),
+                                    engine.max_model_len, state.config,
+                                    "max_completion_tokens" if use_new else "max_tokens")  # fmt: skip
+    params = build_sampling_params(req, max_tokens, k, vocab)
+    gen = _generation(state, request, "chatcmpl", "chat", [ids], params, req.priority, req.stream)
+    text = TokenText(engine.tokenizer)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(chat_stream(gen, model, k, text, include_usage))
+    await _run(request, gen)
+    return _json(chat_completion(gen, model, k, text))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    engine = _engine(state)
+    req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
+    model = _check_model(state, req.model)
+    vocab = engine.model_config.vocab_size
+    check_sampling_fields(req, state.config, vocab)
+    prompts = check_prompts(req.prompt, state.config)
+    k = num_logprobs(req, state.config)
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
+    prompt_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+    for ids in prompt_ids:
+        check_token_ids(ids, vocab, "prompt")
+        if not ids:
+            raise bad_request("the prompt must contain at least one token", param="prompt")
+    longest = max(prompt_ids, key=len)
+    max_tokens = resolve_max_tokens(req.max_tokens, len(longest), engine.max_model_len, state.config,
+                                    "max_tokens")  # fmt: skip
+    params = build_sampling_params(req, max_tokens, k, vocab)
+    echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
+            for p in prompts] if req.echo else None  # fmt: skip
+    gen = _generation(state, request, "cmpl", "completions", prompt_ids, params, req.priority, req.stream)
+    text = TokenText(engine.tokenizer)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(completion_stream(gen, model, k, text, echo, include_usage))
+    await _run(request, gen)
+    return _json(completion(gen, model, k, text, echo))
+
+
+def _generation(
+    state: ServerState, request: Request, prefix: str, endpoint: str, prompts: list[list[int]],
+    params: SamplingParams, priority: int, stream: bool,
+) -> Generation:  # fmt: skip
+    _admit(state)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    return Generation(state, request_id, endpoint, key_name(request.state), prompts, params, priority, stream)
+
+
+async def _run(request: Request, gen: Generation) -> None:
+    """Run a non-streaming generation to the end, unless the client leaves first."""
+    try:
+        await unless_disconnected(request, collect(gen))
+    except ClientGone:
+        raise _ClientClosed from None
+    except EngineDeadError as exc:
+        raise ApiError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+    except ValueError as exc:  # the engine refused the request (e.g. the KV cache is too small for it)
+        raise bad_request(str(exc)) from None
+
+
+class _ClientClosed(ApiError):
+    def __init__(self) -> None:
+        super().__init__(CLIENT_CLOSED, "client closed the request")
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose generator is always closed when the response ends: a client that goes
+    away while a chunk is being sent would otherwise leave it suspended (and its request
+    running) until garbage collection."""
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _stream(chunks: Any) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return _SSEResponse(chunks, media_type="text/event-stream", headers=headers)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    engine = _engine(state)
+    req = parse_model(TokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
+    _check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    try:
+        if req.messages is not None:
+            messages = check_messages(req.messages, state.config)
+            ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
+                                          add_generation_prompt=req.add_generation_prompt, tokenize=True)  # fmt: skip
+        else:
+            assert req.prompt is not None
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    engine = _engine(state)
+    req = parse_model(DetokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
+    _check_model(state, req.model)
+    check_token_ids(req.tokens, engine.model_config.vocab_size, "tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+
+# ---- admin -------------------------------------------------------------------------------------------
+
+
+@router.get("/admin/usage")
+async def admin_usage(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {"object": "usage", "keys": {name: asdict(u) for name, u in state.usage.items()}}
+
+
+@router.get("/admin/state")
+async def admin_state(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    out: dict[str, Any] = {
+        "ready": state.ready, "draining": state.draining, "loading": state.engine is None,
+        "inflight_requests": len(state.inflight), "queued_requests": state.num_queued,
+        "aborted_requests": state.num_aborted, "rejected_queue_full": state.num_rejected_queue_full,
+    }  # fmt: skip
+    if state.engine is not None and state.engine.dead_error is None:
+        out.update(await state.engine.call(_engine_snapshot))
+        out["engine_streams"] = state.engine.num_unfinished
+    return out
+
+
+def _engine_snapshot(core: Any) -> dict[str, Any]:
+    """Read in the engine thread, between steps, so the numbers agree with each other."""
+    try:
+        core.check_integrity()
+        integrity = "ok"
+    except AssertionError as exc:
+        integrity = f"broken: {exc}"
+    sched = core.scheduler
+    return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
+            "kv_cache_usage": sched.kv_cache_usage, "kv_integrity": integrity}  # fmt: skip

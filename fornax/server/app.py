@@ -1,0 +1,140 @@
+"""The app factory, its lifespan (background model load, engine thread) and the uvicorn run
+with a draining SIGTERM.
+
+Shutdown order matters: on SIGTERM (or Ctrl-C) the server first drains — /health and new
+requests get 503 while in-flight requests finish, for up to --shutdown-timeout, after which
+the rest are aborted — and only then tells uvicorn to stop, so connections stay open while
+their answers are being written. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from fornax import __version__
+from fornax.config import EngineConfig, ServerConfig
+from fornax.server.api import router
+from fornax.server.auth import Gate, KeyStore
+from fornax.server.errors import install_error_handlers
+from fornax.server.state import ServerState
+
+logger = logging.getLogger("fornax.server")
+
+
+def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
+    state = ServerState(config=config, engine_config=engine_config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load_engine(app, state))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if state.engine is not None:
+                state.engine.stop()
+
+    app = FastAPI(title="fornax", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)  # fmt: skip
+    app.state.fornax = state
+    app.state.exit_code = 0
+    app.state.on_fatal = None  # set by serve(): how a failed load stops the process
+    install_error_handlers(app)
+    app.include_router(router)
+    app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys))
+    return app
+
+
+async def _load_engine(app: FastAPI, state: ServerState) -> None:
+    """Load the model off the event loop, so /health answers 503 meanwhile."""
+    from fornax.engine.async_engine import AsyncEngine
+
+    start = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(AsyncEngine.from_config, state.engine_config, False)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported, and the process exits 1
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.error("the model failed to load: %s", state.load_error)
+        app.state.exit_code = 1
+        if app.state.on_fatal is not None:
+            app.state.on_fatal()
+        return
+    engine.start(asyncio.get_running_loop())
+    state.engine = engine
+    logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", state.engine_config.model,
+                time.monotonic() - start, engine.max_model_len, state.model_name)  # fmt: skip
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains before uvicorn starts shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Deliberately not recording the signal: uvicorn would re-raise it after shutdown,
+        # and the process would die of it instead of exiting 0 after a clean drain.
+        if self.state.draining or self._loop is None or self.state.engine is None:
+            self.should_exit = True
+            if self.state.draining:
+                self.force_exit = True
+            return
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, why: str) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain(why))
+
+    async def _drain(self, why: str) -> None:
+        state, timeout = self.state, self.state.config.shutdown_timeout_s
+        logger.info("%s: draining %d request(s) for up to %.0fs", why, len(state.inflight), timeout)
+        deadline = time.monotonic() + timeout
+        while state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.inflight and state.engine is not None:
+            logger.warning("shutdown timeout: aborting %d request(s)", len(state.inflight))
+            for entry in list(state.inflight.values()):
+                for engine_id in entry.engine_ids:
+                    state.engine.abort(engine_id)
+            end = time.monotonic() + 5.0
+            while state.inflight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Run the server until it is stopped; the process exit code."""
+    app = create_app(config, engine_config)
+    if not config.api_keys:
+        logger.warning("no API key configured: the server is open to anyone who can reach %s:%d "
+                       "(use --api-key, --api-key-file or FORNAX_API_KEY)", config.host, config.port)  # fmt: skip
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
+        access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on",
+    )  # fmt: skip
+    server = DrainingServer(uv_config, app.state.fornax)
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    app.state.on_fatal = fatal
+    server.run()
+    return int(app.state.exit_code)

@@ -1,0 +1,97 @@
+"""API keys and the gate every HTTP request passes before routing.
+
+Default deny: with keys configured, every path needs `Authorization: Bearer <key>` except
+/health (and /metrics with --public-metrics). The key is compared against every configured
+key with hmac.compare_digest, without stopping at the first match, so timing does not tell
+which key (or how much of one) was right. The gate also answers 503 while the model loads
+or the server drains, so no route has to check.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fornax.server.errors import ApiError
+from fornax.server.state import ServerState
+
+ANONYMOUS = "anonymous"
+# Paths that stay reachable while draining (to watch the drain) or loading.
+_ALWAYS_AVAILABLE = ("/health", "/version", "/admin/")
+
+
+class KeyStore:
+    def __init__(self, keys: tuple[tuple[str, str], ...]) -> None:
+        self._keys = [(name, key.encode()) for name, key in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, authorization: str | None) -> str | None:
+        """The name of the key in an Authorization header, or None if it matches none."""
+        if not self._keys:
+            return ANONYMOUS
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        found: str | None = None
+        for name, key in self._keys:  # no early exit: compare against all keys
+            if hmac.compare_digest(presented, key) and found is None:
+                found = name
+        return found if presented else None
+
+
+class Gate:
+    """ASGI middleware: authentication, then availability (loading, draining)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, keys: KeyStore) -> None:
+        self.app, self.state, self.keys = app, state, keys
+        self.public = {"/health"} | ({"/metrics"} if state.config.public_metrics else set())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if path not in self.public:
+            name = self.keys.identify(_header(scope, b"authorization"))
+            if name is None:
+                err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                await _send(err, scope, receive, send)
+                return
+            scope.setdefault("state", {})["key_name"] = name
+            if not path.startswith(_ALWAYS_AVAILABLE) and not self.state.ready:
+                await _send(_unavailable(self.state), scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _unavailable(state: ServerState) -> ApiError:
+    if state.draining:
+        message = "the server is shutting down"
+    elif state.load_error:
+        message = f"the model failed to load: {state.load_error}"
+    else:
+        message = "the model is still loading"
+    return ApiError(503, message, code="service_unavailable", headers={"Retry-After": "1"})
+
+
+async def _send(err: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    response: JSONResponse = err.response()
+    await response(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    headers: list[tuple[bytes, bytes]] = scope.get("headers") or []
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def key_name(scope_state: Any) -> str:
+    return getattr(scope_state, "key_name", ANONYMOUS)

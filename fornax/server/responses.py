@@ -1,0 +1,220 @@
+"""Engine outputs -> OpenAI's response and chunk shapes (chat and legacy completions),
+including both logprobs formats, and the SSE framing of streams."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from fornax import __version__
+from fornax.engine.outputs import TokenLogprobs
+from fornax.server.errors import error_body
+from fornax.server.generation import Choice, Generation
+from fornax.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob,
+    Completion, CompletionChoice, CompletionLogprobs, DeltaMessage, PromptTokensDetails, ResponseMessage,
+    TopLogprob, Usage,
+)  # fmt: skip
+from fornax.tokenizer import Tokenizer
+
+logger = logging.getLogger("fornax.server")
+SYSTEM_FINGERPRINT = f"fornax-{__version__}"
+
+
+class TokenText:
+    """Token id -> its text and raw bytes, as logprobs report them (cached per id)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self.tokenizer.token_bytes(token_id)
+            # A token may be part of a UTF-8 character: its text shows U+FFFD, its bytes are exact.
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return hit
+
+    def chat(self, entries: list[TokenLogprobs], k: int) -> list[ChatTokenLogprob]:
+        out = []
+        for e in entries:
+            text, raw = self(e.token_id)
+            top = []
+            for tid, lp in list(zip(e.top_ids, e.top_logprobs))[:k]:
+                t_text, t_raw = self(tid)
+                top.append(TopLogprob(token=t_text, logprob=_finite(lp), bytes=t_raw))
+            out.append(ChatTokenLogprob(token=text, logprob=_finite(e.logprob), bytes=raw, top_logprobs=top))
+        return out
+
+    def completion(self, entries: list[TokenLogprobs], k: int, choice: Choice) -> CompletionLogprobs:
+        """Legacy format for sampled tokens; advances the choice's text offset."""
+        result = CompletionLogprobs()
+        for e in entries:
+            text, _ = self(e.token_id)
+            top = {self(tid)[0]: _finite(lp) for tid, lp in list(zip(e.top_ids, e.top_logprobs))[:k]}
+            top.setdefault(text, _finite(e.logprob))
+            _append(result, text, _finite(e.logprob), top, choice)
+        return result
+
+    def completion_prompt(
+        self, prompt_ids: list[int], entries: list[TokenLogprobs] | None, k: int, choice: Choice
+    ) -> CompletionLogprobs:
+        """Echoed prompt tokens: the first has no logprob (nothing precedes it)."""
+        result = CompletionLogprobs()
+        for i, tid in enumerate(prompt_ids):
+            text, _ = self(tid)
+            e = entries[i - 1] if entries and 0 < i <= len(entries) else None
+            if e is None:
+                _append(result, text, None, None, choice)
+                continue
+            top = {self(t)[0]: _finite(lp) for t, lp in list(zip(e.top_ids, e.top_logprobs))[:k]}
+            top.setdefault(text, _finite(e.logprob))
+            _append(result, text, _finite(e.logprob), top, choice)
+        return result
+
+
+def _append(lp: CompletionLogprobs, text: str, logprob: float | None, top: dict[str, float] | None,
+            choice: Choice) -> None:  # fmt: skip
+    lp.tokens.append(text)
+    lp.token_logprobs.append(logprob)
+    lp.top_logprobs.append(top)
+    lp.text_offset.append(choice.text_offset)
+    choice.text_offset += len(text)
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: a token with zero probability reports a very small logprob."""
+    return x if x > -9999.0 else -9999.0
+
+
+def usage_of(gen: Generation) -> Usage:
+    p, c = gen.num_prompt_tokens, gen.num_completion_tokens
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens))  # fmt: skip
+
+
+def _head(gen: Generation, model: str, created: int) -> dict[str, Any]:
+    return {"id": gen.request_id, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+# ---- non-streaming --------------------------------------------------------------------------------
+
+
+async def collect(gen: Generation) -> Generation:
+    async for _ in gen.outputs():
+        pass
+    return gen
+
+
+def chat_completion(gen: Generation, model: str, k: int | None, text: TokenText) -> ChatCompletion:
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ResponseMessage(content=c.text),
+            logprobs=None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k)),
+            finish_reason=c.finish_reason,
+        )
+        for c in gen.choices
+    ]
+    return ChatCompletion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
+                          fornax=gen.timings())  # fmt: skip
+
+
+def completion(
+    gen: Generation, model: str, k: int | None, text: TokenText, echo_texts: list[str] | None
+) -> Completion:
+    choices = []
+    for c in gen.choices:
+        prefix = echo_texts[c.prompt_index] if echo_texts is not None else ""
+        lp = None
+        if k is not None:
+            lp = CompletionLogprobs()
+            if echo_texts is not None:
+                _extend(lp, text.completion_prompt(gen.prompts[c.prompt_index], c.prompt_logprobs, k, c))
+            _extend(lp, text.completion(c.logprobs, k, c))
+        choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lp,
+                                        finish_reason=c.finish_reason))  # fmt: skip
+    return Completion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
+                      fornax=gen.timings())  # fmt: skip
+
+
+def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
+    into.tokens += more.tokens
+    into.token_logprobs += more.token_logprobs
+    into.top_logprobs += more.top_logprobs
+    into.text_offset += more.text_offset
+
+
+# ---- streaming ------------------------------------------------------------------------------------
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def chat_stream(
+    gen: Generation, model: str, k: int | None, text: TokenText, include_usage: bool
+) -> AsyncIterator[str]:
+    head = _head(gen, model, int(time.time()))
+    try:
+        for c in gen.choices:
+            role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
+            yield sse(ChatCompletionChunk(**head, choices=[role]))
+        async for c, out in gen.outputs():
+            lp = None if k is None or not out.new_logprobs else ChatLogprobs(content=text.chat(out.new_logprobs, k))
+            if out.new_text or lp is not None:
+                delta = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=out.new_text), logprobs=lp)
+                yield sse(ChatCompletionChunk(**head, choices=[delta]))
+            if out.finished:
+                end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)
+                yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings()))
+        if include_usage:
+            yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(gen)))
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+        yield sse(_stream_error(exc))
+    yield SSE_DONE
+
+
+async def completion_stream(
+    gen: Generation, model: str, k: int | None, text: TokenText, echo_texts: list[str] | None,
+    include_usage: bool,
+) -> AsyncIterator[str]:  # fmt: skip
+    head = _head(gen, model, int(time.time()))
+    try:
+        echoed: set[int] = set()
+        async for c, out in gen.outputs():
+            if echo_texts is not None and c.index not in echoed:
+                # The prompt's logprobs come with a choice's first output: echo it then.
+                echoed.add(c.index)
+                prompt_ids = gen.prompts[c.prompt_index]
+                lp = None if k is None else text.completion_prompt(prompt_ids, c.prompt_logprobs, k, c)
+                first = CompletionChoice(index=c.index, text=echo_texts[c.prompt_index], logprobs=lp)
+                yield sse(Completion(**head, choices=[first]))
+            lp = None if k is None or not out.new_logprobs else text.completion(out.new_logprobs, k, c)
+            if out.new_text or lp is not None:
+                yield sse(Completion(**head, choices=[CompletionChoice(index=c.index, text=out.new_text, logprobs=lp)]))
+            if out.finished:
+                end = CompletionChoice(index=c.index, text="", finish_reason=c.finish_reason)
+                yield sse(Completion(**head, choices=[end], fornax=c.fornax_timings()))
+        if include_usage:
+            yield sse(Completion(**head, choices=[], usage=usage_of(gen)))
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+        yield sse(_stream_error(exc))
+    yield SSE_DONE
+
+
+def _stream_error(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, ValueError):
+        return error_body(str(exc), "invalid_request_error")
+    logger.exception("error while streaming")
+    return error_body("internal server error", "server_error", code="internal_error")

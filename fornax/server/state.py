@@ -1,0 +1,107 @@
+"""What the server knows between requests: the engine (once loaded), lifecycle flags, the
+requests in flight, counters and per-key usage.
+
+One `ServerState` lives at `app.state.fornax`. It is also the hook for the metrics issue:
+`record_listeners` receive one `RequestRecord` per finished request, and the counters here
+(`num_aborted`, `num_rejected`, ...) are plain ints a collector can read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fornax.config import EngineConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from fornax.engine.async_engine import AsyncEngine
+
+access_logger = logging.getLogger("fornax.access")
+
+
+@dataclass
+class RequestRecord:
+    """One finished (or aborted) generation request, as metrics and the access log see it."""
+
+    request_id: str
+    endpoint: str  # "chat" | "completions"
+    key_name: str
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    finish_reasons: list[str | None]
+    timings: dict[str, float]  # queue_s, ttft_s, prefill_s, decode_s, e2e_s, tokens_per_s
+    stream: bool
+    aborted: bool  # the client went away, or the server gave up on it while draining
+
+    def log_line(self) -> str:
+        t = self.timings
+        reasons = ",".join(r or "none" for r in self.finish_reasons)
+        return (
+            f"{self.request_id} key={self.key_name} {self.endpoint}{' stream' if self.stream else ''} "
+            f"prompt={self.num_prompt_tokens} completion={self.num_completion_tokens} "
+            f"cached={self.num_cached_tokens} queue={t.get('queue_s', 0.0):.3f}s ttft={t.get('ttft_s', 0.0):.3f}s "
+            f"total={t.get('e2e_s', 0.0):.3f}s finish={reasons}"
+        )
+
+
+@dataclass
+class KeyUsage:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Inflight:
+    """A request between admission and its last output."""
+
+    engine_ids: list[str]  # one engine request per prompt
+    started: bool = False  # has produced output (no longer queued)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine_config: EngineConfig
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    draining: bool = False
+    started_at: float = field(default_factory=time.time)
+    inflight: dict[str, Inflight] = field(default_factory=dict)  # by the response's id
+    num_aborted: int = 0
+    num_rejected_queue_full: int = 0
+    usage: dict[str, KeyUsage] = field(default_factory=dict)
+    record_listeners: list[Callable[[RequestRecord], None]] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet producing tokens (waiting for, or in, prefill)."""
+        return sum(1 for entry in self.inflight.values() if not entry.started)
+
+    def finish(self, record: RequestRecord) -> None:
+        """Account one finished request: usage per key, abort count, log line, listeners."""
+        usage = self.usage.setdefault(record.key_name, KeyUsage())
+        usage.requests += 1
+        usage.prompt_tokens += record.num_prompt_tokens
+        usage.completion_tokens += record.num_completion_tokens
+        if record.aborted:
+            self.num_aborted += 1
+        if self.config.access_log:
+            access_logger.info(record.log_line())
+        for listener in self.record_listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a broken listener must not break serving
+                logging.getLogger("fornax.server").exception("request listener failed")

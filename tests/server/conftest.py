@@ -1,0 +1,128 @@
+"""A real `fornax serve` subprocess on a free loopback port, one per test module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> None:  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        full_env = {**os.environ, "FORNAX_HOME": os.environ.get("FORNAX_HOME", "/tmp/fhome"), **(env or {})}
+        if "FORNAX_API_KEY" not in (env or {}):
+            full_env.pop("FORNAX_API_KEY", None)  # only the keys a test asks for
+        cmd = [sys.executable, "-m", "fornax.cli", "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def health_status(self) -> int | None:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            return None
+
+    def wait_ready(self, timeout: float = 180.0) -> list[int | None]:
+        """Poll /health until 200; the statuses seen on the way."""
+        seen: list[int | None] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            status = self.health_status()
+            seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def state(self) -> dict:
+        r = httpx.get(self.url + "/admin/state", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Wait until no request runs, waits or holds KV blocks; the last state seen."""
+        deadline = time.monotonic() + timeout
+        state = self.state()
+        while time.monotonic() < deadline:
+            state = self.state()
+            if (state["num_running"] == 0 and state["num_waiting"] == 0 and state["kv_cache_usage"] == 0
+                    and state["inflight_requests"] == 0 and state["engine_streams"] == 0):  # fmt: skip
+                break
+            time.sleep(0.05)
+        return state
+
+    def assert_idle(self) -> None:
+        state = self.wait_idle()
+        assert state["num_running"] == 0 and state["num_waiting"] == 0, state
+        assert state["kv_cache_usage"] == 0, state
+        assert state["inflight_requests"] == 0 and state["engine_streams"] == 0, state
+        assert state["kv_integrity"] == "ok", state
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start servers for one module; each is checked idle (KV usage 0) and stopped at the end."""
+    started: list[ServerProcess] = []
+
+    def make(args: list[str], env: dict[str, str] | None = None, api_key: str | None = None,
+             wait: bool = True) -> ServerProcess:  # fmt: skip
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(args, log, env, api_key)
+        started.append(server)
+        if wait:
+            server.wait_ready()
+        return server
+
+    yield make
+    errors = []
+    for server in started:
+        try:
+            if server.proc.poll() is None:
+                server.assert_idle()
+        except Exception as exc:  # noqa: BLE001 - reported below; the server is stopped regardless
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            server.stop()
+    assert not errors, errors
