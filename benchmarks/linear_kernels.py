@@ -1,6 +1,6 @@
 """Matmul kernels at the default model's shapes, per number of rows (tokens in a step).
 
-Times bf16 (oneDNN), an fp32 GEMV of the same weights (MKL), weight-only int8 and int4,
+Times bf16 (oneDNN), weight-only int8 and int4,
 side by side in one run; the crossover picks `small_step_max_rows`.
 
     .venv/bin/python benchmarks/linear_kernels.py [--rows 1,2,4,8,16,32,64]

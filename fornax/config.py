@@ -117,8 +117,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
     # Weight form for steps of at most `small_step_max_rows` tokens (decode-heavy steps):
-    # None keeps the weights exact (an fp32 GEMV copy when dtype is bf16); "int8"/"int4"
-    # use weight-only quantized kernels. Larger steps always use the dense weights.
+    # None keeps the dense weights everywhere (exact); "int8"/"int4" use weight-only
+    # quantized kernels there. Larger steps always use the dense weights (bf16 wins there).
     quantization: str | None = None
     small_step_max_rows: int = 8
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -135,10 +135,8 @@ class EngineConfig:
 
     @property
     def small_step_method(self) -> str | None:
-        """Kernel for small steps, or None when the dense weights are already the fast path."""
-        if self.quantization is not None:
-            return self.quantization
-        return "fp32" if self.dtype in ("bfloat16", "float16") else None
+        """Kernel for small steps, or None when the dense weights serve every step."""
+        return self.quantization
 
 
 def env_api_key_file() -> str | None:

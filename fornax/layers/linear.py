@@ -1,8 +1,9 @@
 """Linear layers: one dense weight, plus an optional second form for small steps.
 
 On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
-rows (decode), bf16 matmuls through oneDNN are slow and weight-only int8/int4 kernels or an
-fp32 GEMV are several times faster; with many rows (prefill), bf16 wins. So a Linear keeps
+rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16 (LM head at
+one row: bf16 3.5 ms, int8 2.5 ms, int4 0.8 ms, benchmarks/linear_kernels.py); with many
+rows (prefill), bf16 through oneDNN wins. So a Linear keeps
 its dense weight and, when configured, a "small-step" form chosen by `method`; `forward`
 picks by the row count of its input. The forms are small classes in a registry
 (DESIGN.md rule 8), not branches inside the hot loop.
@@ -21,16 +22,6 @@ class LinearMethod(Protocol):
     """A way to compute x W^T for a fixed W."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class Float32Gemv:
-    """The same weights in fp32: MKL's GEMV beats oneDNN's bf16 path at a handful of rows."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight.float().contiguous()  # [out, in]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight).to(x.dtype)
 
 
 class Int8PerChannel:
@@ -84,7 +75,7 @@ class Int4Grouped:
         return y.to(x.dtype)
 
 
-SMALL_STEP_METHODS: dict[str, type] = {"fp32": Float32Gemv, "int8": Int8PerChannel, "int4": Int4Grouped}
+SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
 
 
 class Linear(nn.Module):
