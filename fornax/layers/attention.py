@@ -33,6 +33,9 @@ class AttentionGroup:
     padded_index: torch.Tensor  # [T_g] position of each real query in the flattened [B * Q]
     kv_slots: torch.Tensor | None  # [B, L] cache slot of each context position; None: no cached context
     mask: torch.Tensor | None  # [B, 1, Q, L] True where a query may attend; None: plain causal
+    # Decode groups (one query per sequence): the same mask as an additive float32 bias,
+    # [B, 1, 1, L] with -inf where masked, for the explicit two-matmul path below.
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,12 +98,17 @@ def _build_group(
     if window is not None:
         mask &= q_pos[:, :, None] - k_pos[None, None, :] < window
     mask[:, :, 0] |= q_pos < 0  # padding queries attend to one key so softmax stays finite
+    mask_t = torch.from_numpy(mask).unsqueeze(1)
+    bias = None
+    if q_len == 1:
+        bias = torch.zeros(mask_t.shape, dtype=torch.float32).masked_fill_(~mask_t, float("-inf"))
     return AttentionGroup(
         token_index=torch.from_numpy(token_index),
         query_index=torch.from_numpy(query_index),
         padded_index=torch.from_numpy(padded_index),
         kv_slots=torch.from_numpy(kv_slots),
-        mask=torch.from_numpy(mask).unsqueeze(1),
+        mask=mask_t,
+        bias=bias,
     )
 
 
@@ -134,7 +142,28 @@ def paged_attention(
         else:
             kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
             vg = v_cache[g.kv_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+            if g.bias is not None:
+                og = _decode_attention(qg, kg, vg, g.bias, scale)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         og = og.transpose(1, 2).reshape(b * q_len, q.shape[1], q.shape[2])  # [B * Q, H, D]
         out[g.token_index] = og[g.padded_index]
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, 1, D]
+    k: torch.Tensor,  # [B, Hkv, L, D]
+    v: torch.Tensor,  # [B, Hkv, L, D]
+    bias: torch.Tensor,  # [B, 1, 1, L] float32, -inf where masked
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence as two batched matmuls. With a mask, SDPA on this CPU takes its
+    slow generic path: 2.6 ms vs 0.2 ms here for 12 sequences at 410 tokens of context.
+    The query heads that share a KV head are stacked as rows, so K/V are never repeated."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]; heads of one KV group are adjacent
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale + bias  # [B, Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, 1, d)  # [B, H, 1, D]

@@ -1,0 +1,260 @@
+"""Offline throughput: fornax's continuous batching against HF transformers' static batches.
+
+One seeded workload (prompts of real-ish English text, 32-512 tokens; outputs 64-256 tokens,
+EOS ignored) goes through both engines in bf16 on the same GGUF:
+
+  fornax   LLM.generate(all requests at once): the scheduler packs them into steps.
+  HF       static batches of --hf-batch-size, left-padded; every batch runs until its
+           longest request is done (min_new_tokens = max_new_tokens = that maximum), so a
+           short request's extra tokens are wasted work. Only the tokens each request asked
+           for count as useful output.
+
+Then single-stream decode speed: one 128-token prompt, 128 new tokens, prefill excluded.
+
+    python benchmarks/offline_throughput.py --quick
+    python benchmarks/offline_throughput.py --num-prompts 64 --json out.json
+
+This is a measurement script, not a test. Quote ratios, not absolute numbers: the machine
+is shared and its speed varies from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from fornax import LLM, SamplingParams  # noqa: E402
+from fornax.models.registry import resolve_model  # noqa: E402
+
+TEXT = [
+    "Every morning the ferry crossed the bay twice, carrying commuters, bicycles and crates of "
+    "vegetables from the farms on the far shore to the market that opened beside the pier.",
+    "Modern processors hide memory latency behind deep caches and aggressive prefetching, yet a "
+    "program that jumps randomly through a large array still spends most of its time waiting.",
+    "The expedition reached the pass at dusk. Snow had drifted across the trail, and the guides "
+    "decided to camp below the ridge rather than risk the descent in failing light.",
+    "Gardeners who keep notes learn a great deal: which seeds sprouted late, which beds flooded, "
+    "and which varieties survived the first frost that arrived earlier than anyone had predicted.",
+    "A well-written function does one thing, has a name that says what that thing is, and can be "
+    "understood without reading the rest of the file in which it happens to live.",
+    "During the festival the square filled with stalls selling roasted nuts, woven baskets and "
+    "painted masks, while musicians played on a wooden stage until long after midnight.",
+    "Tides are driven mainly by the moon's gravity, with the sun adding a smaller pull; when the "
+    "two line up, the difference between high and low water is at its greatest.",
+    "The museum's newest room holds instruments once used to measure the stars: brass astrolabes, "
+    "a cracked telescope lens, and notebooks filled with columns of careful numbers.",
+]
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class Result:
+    engine: str
+    seconds: float
+    useful_output_tokens: int
+    prompt_tokens: int
+    generated_tokens: int  # including HF's padding-to-the-longest waste
+    output_tok_s: float = 0.0
+    total_tok_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.output_tok_s = self.useful_output_tokens / self.seconds
+        self.total_tok_s = (self.useful_output_tokens + self.prompt_tokens) / self.seconds
+
+
+def build_workload(tokenizer, num_prompts: int, seed: int, prompt_range: tuple[int, int],
+                   output_range: tuple[int, int]) -> Workload:  # fmt: skip
+    """Seeded prompts cut from a shuffled stream of the paragraphs, at uniform random lengths."""
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_prompts):
+        length = rng.randint(*prompt_range)
+        ids: list[int] = []
+        while len(ids) < length:
+            ids.extend(tokenizer.encode(" ".join(rng.sample(TEXT, len(TEXT)))))
+        prompts.append(ids[:length])
+        output_lens.append(rng.randint(*output_range))
+    return Workload(prompts, output_lens)
+
+
+# -- fornax --
+
+
+def run_fornax(llm: LLM, work: Workload) -> Result:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == work.output_tokens, f"fornax produced {produced}, expected {work.output_tokens}"
+    preemptions = float(llm.engine.scheduler.num_preemptions_total)
+    return Result("fornax", seconds, produced, work.prompt_tokens, produced, {"preemptions": preemptions})
+
+
+def fornax_single_stream(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    """Decode tok/s of one request alone: tokens after the first over the time after the first."""
+    out = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))[0]
+    return (len(out.outputs[0].token_ids) - 1) / out.timings["decode_s"]
+
+
+# -- HF transformers --
+
+
+def load_hf(gguf: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None  # EOS is ignored on both sides
+    return model.eval()
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> torch.Tensor:
+    ids, mask = _left_padded(prompts, pad_id)
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=pad_id,
+        )  # fmt: skip
+    return out[:, ids.shape[1] :]
+
+
+def run_hf(model, work: Workload, batch_size: int, pad_id: int) -> Result:
+    _hf_generate(model, [[1, 2, 3, 4]], 4, pad_id)  # warm-up
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        batch = work.prompts[i : i + batch_size]
+        longest = max(work.output_lens[i : i + batch_size])
+        new = _hf_generate(model, batch, longest, pad_id)
+        assert new.shape[1] == longest
+        generated += new.numel()
+    seconds = time.perf_counter() - start
+    return Result("hf", seconds, work.output_tokens, work.prompt_tokens, generated)
+
+
+def hf_single_stream(model, prompt: list[int], new_tokens: int, pad_id: int) -> float:
+    """Decode tok/s: (time for N tokens - time for 1 token, i.e. the prefill) over N - 1 tokens."""
+    start = time.perf_counter()
+    _hf_generate(model, [prompt], 1, pad_id)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    _hf_generate(model, [prompt], new_tokens, pad_id)
+    total = time.perf_counter() - start
+    return (new_tokens - 1) / max(total - prefill, 1e-9)
+
+
+# -- report --
+
+
+def print_table(
+    work: Workload, fornax: Result, hf: Result | None, single: dict[str, float], single_tokens: int
+) -> None:
+    print()
+    print(f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, "
+          f"{work.output_tokens} requested output tokens (EOS ignored)")  # fmt: skip
+    header = (f"{'engine':<8} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12} "
+              f"{'generated':>10} {'wasted':>7}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for r in [fornax] + ([hf] if hf else []):
+        wasted = 1 - r.useful_output_tokens / r.generated_tokens
+        print(f"{r.engine:<8} {r.seconds:>9.2f} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
+              f"{r.generated_tokens:>10} {wasted:>6.0%}")  # fmt: skip
+    if hf:
+        print(f"fornax / hf: output x{fornax.output_tok_s / hf.output_tok_s:.2f}, "
+              f"total x{fornax.total_tok_s / hf.total_tok_s:.2f}")  # fmt: skip
+    print()
+    print(f"single-stream decode (128-token prompt, {single_tokens} new tokens, prefill excluded):")
+    for name, value in single.items():
+        print(f"  {name:<8} {value:>8.1f} tok/s")
+    if "hf" in single:
+        print(f"  fornax / hf: x{single['fornax'] / single['hf']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="alias or path of a GGUF file")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests in the workload (default 64)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 12 requests instead of 64")
+    ap.add_argument("--skip-hf", action="store_true", help="measure fornax only")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                    help="fornax's weight form for small (decode) steps; default: dense bf16")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    num_prompts = args.num_prompts or (12 if args.quick else 64)
+    output_range = (64, 256)
+    single_tokens = 128
+    gguf = Path(args.model) if args.model.endswith(".gguf") else resolve_model(args.model).gguf_path
+    assert gguf is not None, f"{args.model} does not resolve to a GGUF file"
+
+    llm = LLM(str(gguf), dtype="bfloat16", quantization=args.quantization, progress=False)
+    tok = llm.get_tokenizer()
+    work = build_workload(tok, num_prompts, args.seed, (32, 512), output_range)
+    single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]
+    print(f"fornax: {num_prompts} requests ...", flush=True)
+    fornax = run_fornax(llm, work)
+    single = {"fornax": fornax_single_stream(llm, single_prompt, single_tokens)}
+    del llm
+    gc.collect()
+
+    hf = None
+    if not args.skip_hf:
+        print(f"hf transformers: batches of {args.hf_batch_size} ...", flush=True)
+        model = load_hf(gguf)
+        pad_id = int(next(iter(tok.eos_token_ids)))  # masked out; any id works
+        hf = run_hf(model, work, args.hf_batch_size, pad_id)
+        single["hf"] = hf_single_stream(model, single_prompt, single_tokens, pad_id)
+
+    print_table(work, fornax, hf, single, single_tokens)
+    if args.json:
+        report = {
+            "num_prompts": num_prompts, "seed": args.seed, "quick": args.quick,
+            "quantization": args.quantization,
+            "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens,
+            "fornax": asdict(fornax), "hf": asdict(hf) if hf else None,
+            "single_stream_decode_tok_s": single, "single_stream_new_tokens": single_tokens,
+        }  # fmt: skip
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
