@@ -24,7 +24,10 @@ from fornax import __version__
 from fornax.config import EngineConfig, ServerConfig
 from fornax.server.api import router
 from fornax.server.auth import Gate, KeyStore
+from fornax.metrics.prometheus import Metrics
 from fornax.server.errors import install_error_handlers
+from fornax.server.metrics_http import StatusCounter
+from fornax.server.metrics_http import router as metrics_router
 from fornax.server.state import ServerState
 
 logger = logging.getLogger("fornax.server")
@@ -48,9 +51,14 @@ def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.state.fornax = state
     app.state.exit_code = 0
     app.state.on_fatal = None  # set by serve(): how a failed load stops the process
+    metrics = Metrics(state.model_name, engine_config.scheduler.max_model_len)
+    app.state.metrics = metrics
+    state.record_listeners.append(metrics.on_record)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(metrics_router)
     app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys))
+    app.add_middleware(StatusCounter, metrics=metrics)  # added last: outermost, sees the gate's answers
     return app
 
 
@@ -70,6 +78,7 @@ async def _load_engine(app: FastAPI, state: ServerState) -> None:
         if app.state.on_fatal is not None:
             app.state.on_fatal()
         return
+    engine.listeners.append(app.state.metrics.on_step)
     engine.start(asyncio.get_running_loop())
     state.engine = engine
     logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", state.engine_config.model,

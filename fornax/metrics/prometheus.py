@@ -1,0 +1,218 @@
+"""Prometheus metrics for one served model: per-request latencies and token counts, per-step
+batch sizes and inter-token gaps, engine gauges, and error counts by HTTP status.
+
+Three feeds, each cheap and each in one place:
+
+- `on_record(record)`: the server's RequestRecord, once per finished request (event loop).
+  Latency histograms (TTFT, E2E, queue, prefill, decode, time per output token), token
+  counters and histograms, success by finish reason, aborts.
+- `on_step(stats)`: the engine's StepStats, after every step (engine thread). Batch size
+  histograms and the inter-token latency, from the time each sequence's tokens arrive.
+- `refresh(snapshot)`: engine state read at scrape time between two steps (event loop),
+  so gauges are never stale when the engine idles, and the engine's cumulative totals
+  (prefix cache queries/hits, preemptions) are mirrored into counters by their deltas.
+
+Every metric is named `fornax:<name>` and labelled `model_name`. The registry is private to
+the object, so several servers (or tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from fornax.engine.async_engine import StepStats
+    from fornax.server.state import RequestRecord
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+logger = logging.getLogger("fornax.metrics")
+
+# Request-level times: a CPU prefill of a long prompt or a long generation takes minutes,
+# a GPU TTFT a few milliseconds.
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
+# Per-token gaps: ~1 ms on a GPU decode, tens to hundreds of ms on a CPU or behind a prefill.
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0,
+                        2.5, 5.0, 10.0)  # fmt: skip
+# Forget a sequence's last-token time after this long without output (safety net only:
+# every sequence, aborted ones included, ends with a finished output that removes it).
+_STALE_AFTER_S = 600.0
+
+
+def token_buckets(max_tokens: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_tokens` (which is always the last finite bucket)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            value = step * scale
+            if value >= max_tokens:
+                return tuple(float(v) for v in [*out, max_tokens])
+            out.append(value)
+        scale *= 10
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine state read between two steps (see `snapshot_engine`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def snapshot_engine(core: object) -> EngineSnapshot:
+    """Run in the engine thread (AsyncEngine.call), so the numbers agree with each other."""
+    sched = core.scheduler  # type: ignore[attr-defined]
+    kv = sched.kv
+    return EngineSnapshot(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_cache_usage=sched.kv_cache_usage,
+        num_preemptions_total=sched.num_preemptions_total,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+    )
+
+
+class Metrics:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        tok = token_buckets(max_model_len)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"fornax:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)  # fmt: skip
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"fornax:{name}", doc, ["model_name"], registry=self.registry).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"fornax:{name}", doc, ["model_name"], registry=self.registry).labels(model_name)
+
+        t, gap = TIME_BUCKETS, TOKEN_GAP_BUCKETS
+        # -- per request (from RequestRecord) --
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", t)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", t)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", t)
+        self.prefill = hist("request_prefill_time_seconds", "Time spent in prefill.", t)
+        self.decode = hist("request_decode_time_seconds", "Time from the first to the last token.", t)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean decode time per output token after the first, per request.", gap)  # fmt: skip
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", tok)
+        self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per request.", tok)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests (cached included).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
+        self._success = Counter("fornax:request_success",
+                                "Finished sequences (one per choice), by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
+        for reason in ("stop", "length"):  # present from the start, so rate() sees the first one
+            self._success.labels(model_name, reason)
+        self.aborted = counter("requests_aborted", "Requests aborted: the client left or the server gave up.")
+        self._errors = Counter("fornax:request_errors", "HTTP responses with a 4xx or 5xx status, by status.",
+                               ["model_name", "status"], registry=self.registry)  # fmt: skip
+        # -- per step (from StepStats) --
+        self.itl = hist("inter_token_latency_seconds", "Time between two tokens of one sequence.", gap)
+        self.step_tokens = hist("engine_step_batched_tokens", "Tokens computed per engine step.", tok)
+        self.step_seqs = hist("engine_step_num_seqs", "Sequences scheduled per engine step.",
+                              token_buckets(1024))  # fmt: skip
+        self.step_seconds = hist("engine_step_duration_seconds", "Wall time of one engine step.",
+                                 STEP_SECONDS_BUCKETS)  # fmt: skip
+        # -- engine state (refreshed at scrape time) --
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted to free KV cache blocks.")
+        self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0}
+        # Last token time per (engine request id, choice index): touched by the engine thread only.
+        self._last_token: dict[tuple[str, int], float] = {}
+        self._last_prune = time.time()  # StepStats.time is wall-clock time
+
+    # -- feeds --
+    def on_record(self, record: RequestRecord) -> None:
+        self.prompt_tokens.inc(record.num_prompt_tokens)
+        self.generation_tokens.inc(record.num_completion_tokens)
+        self.req_prompt_tokens.observe(record.num_prompt_tokens)
+        self.req_generation_tokens.observe(record.num_completion_tokens)
+        if record.aborted:
+            self.aborted.inc()
+            return
+        for reason in record.finish_reasons:
+            self._success.labels(self.model_name, reason or "stop").inc()
+        t = record.timings
+        if not t:
+            return
+        self.ttft.observe(t.get("ttft_s", 0.0))
+        self.e2e.observe(t.get("e2e_s", 0.0))
+        self.queue.observe(t.get("queue_s", 0.0))
+        self.prefill.observe(t.get("prefill_s", 0.0))
+        self.decode.observe(t.get("decode_s", 0.0))
+        decode_tokens = record.num_completion_tokens - len(record.finish_reasons)  # first tokens excluded
+        if decode_tokens > 0:
+            self.tpot.observe(t.get("decode_s", 0.0) / decode_tokens)
+
+    def on_step(self, stats: StepStats) -> None:
+        # Runs in the engine thread, where an exception would stop the engine: never raise.
+        try:
+            self._on_step(stats)
+        except Exception:  # noqa: BLE001
+            logger.exception("metrics step listener failed")
+
+    def _on_step(self, stats: StepStats) -> None:
+        if stats.num_seqs:
+            self.step_tokens.observe(stats.num_batched_tokens)
+            self.step_seqs.observe(stats.num_seqs)
+            self.step_seconds.observe(stats.duration_s)
+        now = stats.time
+        last = self._last_token
+        for out in stats.outputs:
+            key = (out.request_id, out.index)
+            n = len(out.new_token_ids)
+            if n:
+                prev = last.get(key)
+                if prev is not None:
+                    gap = (now - prev) / n  # several tokens in one step share the gap
+                    for _ in range(n):
+                        self.itl.observe(gap)
+                last[key] = now
+            if out.finished:
+                last.pop(key, None)
+        if now - self._last_prune > 60.0:
+            self._last_prune = now
+            for key in [k for k, t in last.items() if now - t > _STALE_AFTER_S]:
+                del last[key]
+
+    def refresh(self, snap: EngineSnapshot) -> None:
+        """Gauges from the engine's state; counters grow by how much its totals grew."""
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.kv_usage.set(snap.kv_cache_usage)
+        mirrors = (("queries", snap.prefix_cache_queries, self.prefix_queries),
+                   ("hits", snap.prefix_cache_hits, self.prefix_hits),
+                   ("preemptions", snap.num_preemptions_total, self.preemptions))  # fmt: skip
+        for key, total, counter in mirrors:
+            delta = total - self._mirrored[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._mirrored[key] = max(total, self._mirrored[key])
+
+    def on_response_status(self, status: int) -> None:
+        if status >= 400:
+            self._errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
