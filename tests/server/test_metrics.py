@@ -170,3 +170,31 @@ def test_aborted_stream_and_bad_request(server, client):
     assert delta(before, after, "fornax:e2e_request_latency_seconds_count") == 0
     assert sum(delta(before, after, "fornax:request_success_total", finished_reason=r)
                for r in ("stop", "length", "abort")) == 0  # fmt: skip
+
+
+def test_bench_serve_token_counts_match_server_metrics(server, tmp_path):
+    """`fornax bench serve` against the live server: its JSON agrees with the server's own counters."""
+    import json
+    import subprocess
+    import sys
+
+    server.wait_idle()
+    before = scrape(server)
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+        "--model", MODEL, "--dataset", "random", "--num-prompts", "6", "--random-input-len", "40",
+        "--random-output-len", "8", "--max-concurrency", "3", "--seed", "1", "--no-progress", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    server.wait_idle()
+    after = scrape(server)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * 8  # ignore_eos + max_tokens honoured
+    for bench_key, metric in [
+        ("total_output_tokens", "fornax:generation_tokens_total"),
+        ("total_prompt_tokens", "fornax:prompt_tokens_total"),
+    ]:
+        assert value(after, metric) - value(before, metric) == summary[bench_key], metric
