@@ -16,7 +16,15 @@ from fornax.config import DEFAULT_MODEL, CacheConfig, ConfigError, SchedulerConf
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file, HF directory or alias")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    _add_quant_args(p)
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB")
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantized kernels for small (decode) steps; default: dense weights")  # fmt: skip
+    p.add_argument("--small-step-max-rows", type=int, default=24,
+                   help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +100,8 @@ def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+               small_step_max_rows=args.small_step_max_rows)  # fmt: skip
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -164,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,
+        quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
                           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

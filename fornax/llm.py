@@ -26,7 +26,7 @@ class LLM:
         dtype: str = "bfloat16",
         *,
         quantization: str | None = None,
-        small_step_max_rows: int = 8,
+        small_step_max_rows: int = 24,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,

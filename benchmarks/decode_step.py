@@ -1,0 +1,53 @@
+"""Decode-step time by batch size, int4 small-step kernels against dense bf16, in one run.
+
+Each batch of B requests (200-token prompts) is prefilled, then the same engine times
+decode steps with the int4 form switched on for every step and then off (dense bf16).
+The crossover sets the default `small_step_max_rows`.
+
+    .venv/bin/python benchmarks/decode_step.py [--batches 1,8,16,32,64] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from fornax import LLM, SamplingParams
+from fornax.layers.linear import Linear
+
+
+def set_rows(llm: LLM, rows: int) -> None:
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, Linear):
+            module.small_max_rows = rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batches", default="1,8,16,32,64")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    llm = LLM(args.model, quantization="int4", small_step_max_rows=1 << 30, progress=False)
+    engine = llm.engine
+    print(f"{'batch':>5} {'int4 ms/step':>13} {'bf16 ms/step':>13} {'bf16/int4':>10}")
+    for b in [int(x) for x in args.batches.split(",")]:
+        params = SamplingParams(max_tokens=2 * args.steps + 8, temperature=0, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(f"b{b}-{i}", [100 + i] * 200, params)
+        for _ in range(4):  # prefill and settle into pure decode steps
+            engine.step()
+        times = {}
+        for name, rows in (("int4", 1 << 30), ("bf16", 0)):
+            set_rows(llm, rows)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            times[name] = (time.perf_counter() - start) / args.steps * 1e3
+        print(f"{b:>5} {times['int4']:>13.1f} {times['bf16']:>13.1f} {times['bf16'] / times['int4']:>10.2f}", flush=True)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+if __name__ == "__main__":
+    main()
