@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Request
@@ -34,6 +34,9 @@ from fornax.server.responses import (
     TokenText, chat_completion, chat_stream, collect, completion, completion_stream,
 )  # fmt: skip
 from fornax.server.state import ServerState
+
+# The two generation request shapes; _parse_generation_request returns the one it was given.
+_Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
 
 router = APIRouter()
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by the client
@@ -104,14 +107,9 @@ async def models(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    engine = _engine(state)
-    req = parse_model(ChatCompletionRequest, await read_json_body(request, state.config.max_body_bytes))
-    model = _check_model(state, req.model)
+    state, engine, req, model, k = await _parse_generation_request(request, ChatCompletionRequest)
     vocab = engine.model_config.vocab_size
-    check_sampling_fields(req, state.config, vocab)
     messages = check_messages(req.messages, state.config)
-    k = num_logprobs(req, state.config)
     try:
         ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                                       add_generation_prompt=True, tokenize=True)  # fmt: skip
@@ -134,14 +132,9 @@ async def chat_completions(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = _state(request)
-    engine = _engine(state)
-    req = parse_model(CompletionRequest, await read_json_body(request, state.config.max_body_bytes))
-    model = _check_model(state, req.model)
+    state, engine, req, model, k = await _parse_generation_request(request, CompletionRequest)
     vocab = engine.model_config.vocab_size
-    check_sampling_fields(req, state.config, vocab)
     prompts = check_prompts(req.prompt, state.config)
-    k = num_logprobs(req, state.config)
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
     prompt_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
@@ -162,6 +155,19 @@ async def completions(request: Request) -> Response:
         return _stream(completion_stream(gen, model, k, text, echo, include_usage))
     await _run(request, gen)
     return _json(completion(gen, model, k, text, echo))
+
+
+async def _parse_generation_request(
+    request: Request, model_cls: type[_Req]
+) -> tuple[ServerState, AsyncEngine, _Req, str, int]:
+    """What both generation routes do first: read and validate the body, check the model and
+    the sampling fields. Returns (state, engine, parsed request, served model name, top logprobs)."""
+    state = _state(request)
+    engine = _engine(state)
+    req = parse_model(model_cls, await read_json_body(request, state.config.max_body_bytes))
+    model = _check_model(state, req.model)
+    check_sampling_fields(req, state.config, engine.model_config.vocab_size)
+    return state, engine, req, model, num_logprobs(req, state.config)
 
 
 def _generation(

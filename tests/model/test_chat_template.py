@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,16 +26,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "météo", "description": "a <b> & 'c'", "parameters": {}}}
 ]
 
-
-@pytest.fixture(scope="module")
-def reference(default_gguf: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
-
-
-@pytest.fixture(scope="module")
-def ours(default_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_file(default_gguf)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])

@@ -23,16 +23,6 @@ CORPUS = [
 SPECIAL_TEXT = CORPUS[6]
 
 
-@pytest.fixture(scope="module")
-def reference(default_gguf: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
-
-
-@pytest.fixture(scope="module")
-def ours(default_gguf: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_file(default_gguf)
-
 
 @pytest.fixture(scope="module")
 def from_dir(reference: Any, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
