@@ -120,7 +120,8 @@ class EngineConfig:
     # None keeps the dense weights everywhere (exact); "int8"/"int4" use weight-only
     # quantized kernels there. Larger steps always use the dense weights (bf16 wins there).
     quantization: str | None = None
-    small_step_max_rows: int = 24  # int4 beats bf16 per decode step up to ~24-32 rows (benchmarks/decode_step.py)
+    # int4 beats bf16 per decode step up to ~24-32 rows here (benchmarks/decode_step.py)
+    small_step_max_rows: int = 24
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
