@@ -7,25 +7,13 @@ call against fornax's two-matmul path, side by side on the same tensors.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from _timing import median_ms  # benchmarks/ is on sys.path when run as a script
+
 from fornax.layers.attention import _decode_attention
-
-
-def median_ms(fn, repeat: int = 7, inner: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        runs.append((time.perf_counter() - start) / inner * 1e3)
-    return statistics.median(runs)
 
 
 def main() -> None:

@@ -9,28 +9,16 @@ side by side in one run; the crossover picks `small_step_max_rows`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from _timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.linear import SMALL_STEP_METHODS
 
 # (out, in) of the fused QKV, O, fused gate/up, down projections and the LM head of SmolLM2-135M
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-
-
-def median_ms(fn, repeat: int = 7, inner: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from fornax.server.state import ServerState
 
 # The two generation request shapes; _parse_generation_request returns the one it was given.
 _Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
+_M = TypeVar("_M", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 router = APIRouter()
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by the client
@@ -162,12 +163,18 @@ async def _parse_generation_request(
 ) -> tuple[ServerState, AsyncEngine, _Req, str, int]:
     """What both generation routes do first: read and validate the body, check the model and
     the sampling fields. Returns (state, engine, parsed request, served model name, top logprobs)."""
+    state, engine, req, model = await _parse_request(request, model_cls)
+    check_sampling_fields(req, state.config, engine.model_config.vocab_size)
+    return state, engine, req, model, num_logprobs(req, state.config)
+
+
+async def _parse_request(request: Request, model_cls: type[_M]) -> tuple[ServerState, AsyncEngine, _M, str]:
+    """Every model route starts here: a ready engine, a bounded body parsed into `model_cls`,
+    and a served model name. Returns (state, engine, parsed request, model name)."""
     state = _state(request)
     engine = _engine(state)
     req = parse_model(model_cls, await read_json_body(request, state.config.max_body_bytes))
-    model = _check_model(state, req.model)
-    check_sampling_fields(req, state.config, engine.model_config.vocab_size)
-    return state, engine, req, model, num_logprobs(req, state.config)
+    return state, engine, req, _check_model(state, req.model)
 
 
 def _generation(
@@ -219,10 +226,7 @@ def _stream(chunks: Any) -> StreamingResponse:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
-    state = _state(request)
-    engine = _engine(state)
-    req = parse_model(TokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
+    state, engine, req, _ = await _parse_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     try:
@@ -240,10 +244,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
-    state = _state(request)
-    engine = _engine(state)
-    req = parse_model(DetokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
-    _check_model(state, req.model)
+    _, engine, req, _ = await _parse_request(request, DetokenizeRequest)
     check_token_ids(req.tokens, engine.model_config.vocab_size, "tokens")
     return {"prompt": engine.tokenizer.decode(req.tokens)}
 
