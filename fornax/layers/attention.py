@@ -1,11 +1,16 @@
-"""Paged attention over a flattened batch, on torch's scaled_dot_product_attention.
+"""Paged attention over a flattened batch.
 
 The runner lays a step's tokens out flat ([num_tokens, ...]) and builds this metadata once
 per step; every layer reuses it. Each layer writes its new K/V into the paged cache
-(flat slots = block_id * block_size + offset), then attends with one SDPA call per *group*
-of sequences: decodes (one query each) form one group, prefill chunks another, so short
-decode rows are not padded to the length of a long prompt. No loop over requests runs
-inside a layer (DESIGN.md rule 7).
+(flat slots = block_id * block_size + offset), then attends in at most three calls:
+
+- short query runs (decodes, speculative verification: at most KERNEL_MAX_QUERIES new
+  tokens) go to the native kernel, which reads the cache in place (layers/native.py);
+- without the kernel, decodes form one group: gather K/V, then two batched matmuls;
+- prefill chunks form another group on SDPA (plain causal when it is a lone fresh prompt).
+
+So short decode rows are never padded to the length of a long prompt, and no loop over
+requests runs inside a layer (DESIGN.md rule 7).
 """
 
 from __future__ import annotations
@@ -15,6 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fornax.layers.native import PagedAttentionKernel
+
+# Sequences with at most this many new tokens use the native kernel when it is loaded. It
+# re-reads the context once per query row, so long chunks belong on SDPA; 16 covers decodes
+# and speculative verification.
+KERNEL_MAX_QUERIES = 16
 
 
 @dataclass(frozen=True)
@@ -39,15 +51,32 @@ class AttentionGroup:
 
 
 @dataclass
+class KernelRows:
+    """The flat-batch rows that the native kernel attends, with what it needs to find their keys."""
+
+    kernel: PagedAttentionKernel
+    token_index: torch.Tensor | None  # [R] rows of the flat batch; None: every row, in order
+    block_tables: torch.Tensor  # [S, max_blocks] int32, one row per sequence in the kernel's rows
+    row_seq: torch.Tensor  # [R] int32: which block-table row
+    row_pos: torch.Tensor  # [R] int32: the query's position; it attends to keys 0..pos
+    block_size: int
+    window: int | None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot where each new token's K/V is written
     groups: list[AttentionGroup]
+    kernel_rows: KernelRows | None = None
 
 
 def build_attention_metadata(
-    spans: list[SeqSpan], block_size: int, sliding_window: int | None = None
+    spans: list[SeqSpan],
+    block_size: int,
+    sliding_window: int | None = None,
+    kernel: PagedAttentionKernel | None = None,
 ) -> AttentionMetadata:
-    """Bulk-build slot mapping and per-group gather indices and masks for one step."""
+    """Bulk-build slot mapping, the kernel's rows and per-group gather indices and masks for one step."""
     offsets = np.cumsum([0] + [s.num_new for s in spans])
     slot_parts = []
     for s in spans:
@@ -55,12 +84,47 @@ def build_attention_metadata(
         table = np.asarray(s.block_ids, dtype=np.int64)
         slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
     slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
-    decode = [i for i, s in enumerate(spans) if s.num_new == 1]
-    prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
+    kernel_rows = None
+    if kernel is not None:
+        short = [i for i, s in enumerate(spans) if s.num_new <= KERNEL_MAX_QUERIES]
+        if short:
+            kernel_rows = _build_kernel_rows(kernel, spans, short, offsets, block_size, sliding_window)
+        decode, prefill = [], [i for i, s in enumerate(spans) if s.num_new > KERNEL_MAX_QUERIES]
+    else:
+        decode = [i for i, s in enumerate(spans) if s.num_new == 1]
+        prefill = [i for i, s in enumerate(spans) if s.num_new > 1]
     groups = [
         _build_group(spans, idx, offsets, block_size, sliding_window) for idx in (decode, prefill) if idx
     ]
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, kernel_rows=kernel_rows)
+
+
+def _build_kernel_rows(
+    kernel: PagedAttentionKernel,
+    spans: list[SeqSpan],
+    idx: list[int],
+    offsets: np.ndarray,
+    block_size: int,
+    window: int | None,
+) -> KernelRows:
+    width = max(len(spans[i].block_ids) for i in idx)
+    tables = np.zeros((len(idx), width), dtype=np.int32)
+    for r, i in enumerate(idx):
+        tables[r, : len(spans[i].block_ids)] = spans[i].block_ids
+    counts = [spans[i].num_new for i in idx]
+    row_seq = np.repeat(np.arange(len(idx), dtype=np.int32), counts)
+    row_pos = np.concatenate([np.arange(spans[i].start, spans[i].start + spans[i].num_new) for i in idx])
+    every_row = len(idx) == len(spans)
+    token_index = None if every_row else np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+    return KernelRows(
+        kernel=kernel,
+        token_index=None if token_index is None else torch.from_numpy(token_index),
+        block_tables=torch.from_numpy(tables),
+        row_seq=torch.from_numpy(row_seq),
+        row_pos=torch.from_numpy(row_pos.astype(np.int32)),
+        block_size=block_size,
+        window=window,
+    )
 
 
 def _build_group(
@@ -125,13 +189,20 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
-    if len(meta.groups) == 1 and meta.groups[0].kv_slots is None:
+    kr = meta.kernel_rows
+    if kr is not None and kr.token_index is None:  # every row is short: one kernel call
+        return kr.kernel(q, k_cache, v_cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window)
+    if len(meta.groups) == 1 and meta.groups[0].kv_slots is None and kr is None:
         # Single fresh prompt: no padding anywhere, attend over the new tokens directly.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
         )  # [H, T, D]
         return out.transpose(0, 1)
     out = torch.empty_like(q)
+    if kr is not None:
+        out[kr.token_index] = kr.kernel(
+            q[kr.token_index], k_cache, v_cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window
+        )
     for g in meta.groups:
         b, q_len = g.query_index.shape
         qg = q[g.query_index].transpose(1, 2)  # [B, H, Q, D]
