@@ -4,19 +4,31 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The visualizer's chart library (uPlot), from npm, served locally by `fornax serve` (no CDN).
+UI_VENDOR := fornax/server/ui/vendor
+UPLOT := $(UI_VENDOR)/node_modules/uplot/dist/uPlot.iife.min.js
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 
 .PHONY: setup run test pull clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(UPLOT) /usr/bin/chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
+
+# The browser test drives Debian's Chromium (never a downloaded one: no `playwright install`);
+# a CJK font so the seed's Chinese prompt renders in its screenshots. Root, as on these machines.
+/usr/bin/chromium:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-wqy-microhei
+
+# Optional at run time: without node/npm the page still works, just without charts.
+$(UPLOT):
+	-command -v npm >/dev/null && npm install --prefix $(UI_VENDOR) --no-audit --no-fund --silent uplot@1.6.32
 
 pull: setup
 	$(BIN)/fornax pull $(MODEL)

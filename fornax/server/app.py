@@ -24,11 +24,13 @@ from fornax import __version__
 from fornax.config import EngineConfig, ServerConfig
 from fornax.server.api import router
 from fornax.server.auth import Gate, KeyStore
+from fornax.metrics.live import LiveStats
 from fornax.metrics.prometheus import Metrics
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
 from fornax.server.state import ServerState
+from fornax.server.visualizer import router as visualizer_router
 
 logger = logging.getLogger("fornax.server")
 
@@ -54,9 +56,12 @@ def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     metrics = Metrics(state.model_name, engine_config.scheduler.max_model_len)
     app.state.metrics = metrics
     state.record_listeners.append(metrics.on_record)
+    app.state.live = LiveStats()  # the visualizer's rolling window (server/visualizer.py)
+    state.record_listeners.append(app.state.live.on_record)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    app.include_router(visualizer_router)
     app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys))
     app.add_middleware(StatusCounter, metrics=metrics)  # added last: outermost, sees the gate's answers
     return app
@@ -79,6 +84,7 @@ async def _load_engine(app: FastAPI, state: ServerState) -> None:
             app.state.on_fatal()
         return
     engine.listeners.append(app.state.metrics.on_step)
+    engine.listeners.append(app.state.live.on_step)
     engine.start(asyncio.get_running_loop())
     state.engine = engine
     logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", state.engine_config.model,

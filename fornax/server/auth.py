@@ -21,6 +21,10 @@ from fornax.server.state import ServerState
 ANONYMOUS = "anonymous"
 # Paths that stay reachable while draining (to watch the drain) or loading.
 _ALWAYS_AVAILABLE = ("/health", "/version", "/admin/")
+# The visualizer's static page: it holds no data, and a browser cannot send a Bearer header
+# when it navigates. Everything the page then fetches goes through the gate with its key.
+_PUBLIC_PAGES = ("/", "/ui")
+_PUBLIC_PAGE_PREFIX = "/ui/"
 
 
 class KeyStore:
@@ -49,14 +53,14 @@ class Gate:
 
     def __init__(self, app: ASGIApp, state: ServerState, keys: KeyStore) -> None:
         self.app, self.state, self.keys = app, state, keys
-        self.public = {"/health"} | ({"/metrics"} if state.config.public_metrics else set())
+        self.public = {"/health", *_PUBLIC_PAGES} | ({"/metrics"} if state.config.public_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if path not in self.public:
+        if path not in self.public and not path.startswith(_PUBLIC_PAGE_PREFIX):
             name = self.keys.identify(_header(scope, b"authorization"))
             if name is None:
                 err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",

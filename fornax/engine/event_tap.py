@@ -1,0 +1,150 @@
+"""Turns the core's step state into lifecycle events for the EventBus (engine thread only).
+
+EngineCore calls this only after checking `bus.active`, so nothing here runs (and no state
+here grows) while nobody watches. State kept across steps, per sequence: how many blocks
+it held (to report only new ones), when its last token came (inter-token latency), and
+whether it is known to be running (to report admission once per admission). When the bus
+goes idle and active again, that state may be stale: it is dropped (`bus.generation`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from fornax.engine.events import Event, EventBus
+from fornax.engine.outputs import EngineOutput, SchedulerOutput
+from fornax.engine.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from fornax.engine.core import EngineCore
+
+
+class EventTap:
+    def __init__(self, bus: EventBus, block_size: int) -> None:
+        self.bus, self.block_size = bus, block_size
+        self.step_id = 0  # counts steps seen while watched; labels batches in the UI
+        self._generation = -1
+        self._blocks: dict[str, int] = {}  # child id -> blocks it held after its last step
+        self._last_token: dict[tuple[str, int], float] = {}  # (parent, index) -> monotonic time
+        self._chunks: list[tuple[Request, str, int, int, int]] = []  # this step's prefill chunks
+        self._step_start = 0.0
+
+    def _sync(self) -> None:
+        if self._generation != self.bus.generation:
+            self._generation = self.bus.generation
+            self._blocks.clear()
+            self._last_token.clear()
+
+    # -- hooks called by EngineCore --
+    def on_add(self, core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self._sync()
+        sched = core.scheduler
+        data = {"num_prompt_tokens": len(prompt), "n": params.n, "max_tokens": params.max_tokens,
+                "position": sched.num_waiting - 1, "num_waiting": sched.num_waiting,
+                "num_running": sched.num_running}  # fmt: skip
+        self.bus.publish([Event("queued", request_id, time.time(), data)])
+
+    def on_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
+        """After schedule(), before the forward pass: admissions, new blocks, preemptions."""
+        self._sync()
+        self.step_id += 1
+        self._step_start = time.monotonic()
+        now = time.time()
+        events: list[Event] = []
+        batch = [s.request.request_id for s in sched.scheduled]
+        for child_id in sched.finished_request_ids:  # finished or aborted since the last step
+            self._blocks.pop(child_id, None)
+        for child_id in sched.preempted_request_ids:
+            self._blocks.pop(child_id, None)
+            events.append(Event("preempted", _parent(core, child_id), now, {"index": _index(core, child_id)}))
+        self._chunks = []
+        for s in sched.scheduled:
+            req, child_id = s.request, s.request.request_id
+            parent, index = _parent(core, child_id), _index(core, child_id)
+            held = self._blocks.get(child_id)
+            start = req.num_computed_tokens  # before this step's tokens
+            if held is None:  # admitted (or readmitted after preemption) this step
+                cached = start // self.block_size  # prefix hits are whole blocks, all at the front
+                events.append(Event("scheduled", parent, now, {
+                    "index": index, "step": self.step_id, "batch_size": len(batch),
+                    "batch": [_parent(core, b) for b in batch if b != child_id],
+                    "num_running": core.scheduler.num_running, "num_waiting": core.scheduler.num_waiting,
+                    "num_cached_tokens": start,
+                }))  # fmt: skip
+                events.append(Event("blocks", parent, now, {
+                    "index": index, "new": s.block_ids[cached:], "cached": s.block_ids[:cached],
+                    "table": list(s.block_ids), "num_free_blocks": core.scheduler.kv.num_free_blocks,
+                }))  # fmt: skip
+            elif len(s.block_ids) > held:
+                events.append(Event("blocks", parent, now, {
+                    "index": index, "new": s.block_ids[held:], "cached": [], "table": list(s.block_ids),
+                    "num_free_blocks": core.scheduler.kv.num_free_blocks,
+                }))  # fmt: skip
+            self._blocks[child_id] = len(s.block_ids)
+            end = start + s.num_new_tokens
+            if start < req.num_prompt_tokens:  # a prompt chunk (or a recompute after preemption)
+                self._chunks.append((req, parent, index, start, end))
+        self.bus.publish(events)
+
+    def on_outputs(self, core: EngineCore, outputs: list[EngineOutput]) -> None:
+        """After update: the prefill chunks just computed, the tokens sampled, the finishes."""
+        self._sync()
+        mono, now = time.monotonic(), time.time()
+        events: list[Event] = []
+        for req, parent, index, start, end in self._chunks:
+            events.append(Event("prefill_chunk", parent, now, {
+                "index": index, "step": self.step_id, "start": start, "end": end,
+                "num_prompt_tokens": req.num_prompt_tokens, "duration_s": mono - self._step_start,
+            }))  # fmt: skip
+        self._chunks = []
+        tokenizer = core.tokenizer
+        for out in outputs:
+            key = (out.request_id, out.index)
+            last = self._last_token.get(key)
+            for pos, token in enumerate(out.new_token_ids):
+                lp = out.new_logprobs[pos] if pos < len(out.new_logprobs) else None
+                data = {"index": out.index, "step": self.step_id, "token_id": token,
+                        "text": out.new_text if pos == len(out.new_token_ids) - 1 else "",
+                        "bytes": tokenizer.token_bytes(token).hex(),
+                        "logprob": None if lp is None else lp.logprob,
+                        "itl_s": None if last is None else mono - last,
+                        "batch_size": core.last_step[1]}  # fmt: skip
+                if last is None:
+                    data["ttft_s"] = _ttft(core, out)
+                events.append(Event("token", out.request_id, now, data))
+                last = mono
+            if out.finished:
+                self._last_token.pop(key, None)
+                events.append(Event("finished", out.request_id, now, {
+                    "index": out.index, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                    "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
+                    "timings": out.timings or {},
+                }))  # fmt: skip
+            elif last is not None:
+                self._last_token[key] = last
+        self.bus.publish(events)
+
+
+def _parent(core: EngineCore, child_id: str) -> str:
+    seq = core.seqs.get(child_id)
+    return seq.parent_id if seq is not None else child_id
+
+
+def _index(core: EngineCore, child_id: str) -> int:
+    seq = core.seqs.get(child_id)
+    return seq.index if seq is not None else 0
+
+
+def _ttft(core: EngineCore, out: EngineOutput) -> float | None:
+    """Arrival to first token, if `out` carries the sequence's first token (else None: the bus
+    went active in the middle of the request, so this is merely the first token seen)."""
+    if out.timings is not None:  # already finished (and forgotten by the scheduler)
+        return out.timings.get("ttft_s")
+    for child_id in core.children.get(out.request_id, []):
+        req = core.scheduler.get_request(child_id)
+        if req is None or _index(core, child_id) != out.index:
+            continue
+        if req.num_output_tokens == 1 and req.times.first_token is not None:
+            return req.times.first_token - req.times.arrival
+    return None

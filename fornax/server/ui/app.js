@@ -1,0 +1,458 @@
+// The visualizer page: plain JS, no build step. Everything shown comes from the live server:
+// /v1/fornax/tokens (tokenize), /v1/fornax/events (the engine's lifecycle events for our
+// request), /v1/chat/completions with stream:true (the text), /v1/fornax/live (the server).
+// Streams are read with fetch(), not EventSource, because EventSource cannot send the
+// Authorization header and an API key does not belong in a URL.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "fornax.apiKey";
+let apiKey = localStorage.getItem(KEY_STORE) || "";
+let model = null;
+let liveAbort = null;
+let charts = null;
+
+// ---- HTTP helpers ------------------------------------------------------------------------------
+
+function headers(json = false) {
+  const h = {};
+  if (apiKey) h["Authorization"] = "Bearer " + apiKey;
+  if (json) h["Content-Type"] = "application/json";
+  return h;
+}
+
+class HttpError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function failure(resp) {
+  let message = resp.status + " " + resp.statusText;
+  try {
+    const body = await resp.json();
+    if (body && body.error && body.error.message) message = body.error.message;
+  } catch (_) { /* not JSON */ }
+  return new HttpError(resp.status, message);
+}
+
+async function postJSON(path, body, signal) {
+  const resp = await fetch(path, { method: "POST", headers: headers(true), body: JSON.stringify(body), signal });
+  if (!resp.ok) throw await failure(resp);
+  return resp.json();
+}
+
+// Yields each `data:` payload of a server-sent event stream. `onOpen` runs at the first block,
+// comments included: the event streams send ": subscribed" once their subscription exists
+// (the headers alone may come before it).
+async function* sse(path, init, onOpen) {
+  const resp = await fetch(path, init);
+  if (!resp.ok) throw await failure(resp);
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      if (onOpen) { onOpen(); onOpen = null; }
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+      if (data) yield data;
+    }
+  }
+}
+
+// ---- status and errors -------------------------------------------------------------------------
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+function setConn(state, text) {
+  const el = $("conn");
+  el.dataset.state = state;
+  el.textContent = text;
+}
+
+function handleError(err) {
+  if (err && err.name === "AbortError") return;
+  if (err instanceof HttpError && err.status === 401) {
+    $("auth").hidden = false;
+    setConn("error", "unauthorized");
+    showError("The API key was rejected: " + err.message);
+    $("play").disabled = true;
+  } else {
+    showError(String(err && err.message ? err.message : err));
+  }
+}
+
+// ---- connecting --------------------------------------------------------------------------------
+
+async function connect() {
+  showError("");
+  setConn("connecting", "connecting…");
+  try {
+    const resp = await fetch("/v1/models", { headers: headers() });
+    if (!resp.ok) throw await failure(resp);
+    const body = await resp.json();
+    model = body.data[0].id;
+    $("auth").hidden = true;
+    setConn("ok", "connected · " + model);
+    $("play").disabled = false;
+    startLive();
+  } catch (err) {
+    if (err instanceof HttpError && err.status === 401 && !apiKey) {
+      $("auth").hidden = false;  // first visit to a server with keys: ask, no scary error yet
+      setConn("error", "API key needed");
+      return;
+    }
+    if (err instanceof HttpError && err.status === 503) {
+      setConn("connecting", "model loading…");
+      setTimeout(connect, 1000);
+      return;
+    }
+    handleError(err);
+  }
+}
+
+// ---- the pipeline ------------------------------------------------------------------------------
+
+function stage(name) {
+  const order = ["tokenize", "schedule", "prefill", "output"];
+  const at = order.indexOf(name);
+  document.querySelectorAll("#stepper li").forEach((li, i) => {
+    li.classList.toggle("active", i === at);
+    li.classList.toggle("done", i < at);
+  });
+  order.forEach((s, i) => $("stage-" + s).classList.toggle("active", i === at));
+}
+
+function finishStages() {
+  document.querySelectorAll("#stepper li").forEach((li) => { li.classList.remove("active"); li.classList.add("done"); });
+  document.querySelectorAll(".stage").forEach((el) => el.classList.remove("active"));
+}
+
+function chip(label, sub, cls, title) {
+  const el = document.createElement("span");
+  el.className = "chip " + (cls || "");
+  const tok = document.createElement("span");
+  tok.className = "tok";
+  tok.textContent = label;
+  el.appendChild(tok);
+  if (sub !== null && sub !== undefined) {
+    const small = document.createElement("small");
+    small.textContent = sub;
+    el.appendChild(small);
+  }
+  if (title) el.title = title;
+  return el;
+}
+
+// A token's visible form: its text, with whitespace shown, or its bytes when it is part of a character.
+function visible(text, hex) {
+  if (text && !text.includes("\ufffd")) return text.replace(/ /g, "·").replace(/\n/g, "↵").replace(/\t/g, "⇥");
+  return "‹" + (hex.match(/../g) || []).join(" ") + "›";
+}
+
+const fmtMs = (s) => (s === null || s === undefined ? "–" : (s * 1000).toFixed(s < 0.01 ? 2 : 1) + " ms");
+
+function resetView() {
+  for (const id of ["token-chips", "batch", "blocks", "prefill-bar", "chunks", "output-text", "output-tokens"]) $(id).textContent = "";
+  for (const id of ["token-count", "queue-pos", "sched-step", "batch-size", "cached-tokens", "ttft", "out-count", "tps", "itl-mean", "finish"]) $(id).textContent = "–";
+  showError("");
+}
+
+async function play(ev) {
+  ev.preventDefault();
+  const button = $("play");
+  button.disabled = true;
+  resetView();
+  const content = $("prompt").value;
+  const messages = [{ role: "user", content }];
+  const run = new Run();
+  try {
+    stage("tokenize");
+    const tok = await postJSON("/v1/fornax/tokens", { messages, add_generation_prompt: true });
+    renderTokens(tok);
+    stage("schedule");
+    await run.go(messages);
+    finishStages();
+  } catch (err) {
+    handleError(err);
+  } finally {
+    run.close();
+    button.disabled = !model;
+  }
+}
+
+function renderTokens(tok) {
+  const box = $("token-chips");
+  for (const t of tok.tokens) {
+    const cls = (t.template ? "template " : "") + (t.special ? "special" : "");
+    const title = "id " + t.id + " · bytes " + ((t.bytes.match(/../g) || []).join(" ") || "(none)") + (t.template ? " · chat template" : "");
+    const el = chip(visible(t.text, t.bytes), t.id, cls, title);
+    el.dataset.id = t.id;
+    box.appendChild(el);
+  }
+  $("token-count").textContent = tok.count;
+}
+
+// One Play. The page subscribes to every request's events before it sends its own request, so
+// nothing of its request can be missed; the request id comes with the first streamed chunk. Then
+// it follows just that request (`?request_id=`: its history first, then live, ending at
+// `finished`) and drops the firehose, which on a busy server would be mostly other requests'
+// events. `seq` numbers make the overlap between the two streams harmless.
+class Run {
+  constructor() {
+    this.abort = new AbortController();  // everything of this run
+    this.firehose = new AbortController();  // the all-requests stream, until we know our id
+    this.id = null;
+    this.pending = [];  // events that came before we knew our id
+    this.lastSeq = 0;
+    this.promptLen = 0;
+    this.tokens = 0;
+    this.itls = [];
+    this.firstTokenAt = null;
+    this.finished = new Promise((resolve) => { this.markFinished = resolve; });
+  }
+
+  close() { this.abort.abort(); this.firehose.abort(); }
+
+  async go(messages) {
+    let ready;
+    const subscribed = new Promise((resolve) => { ready = resolve; });
+    const all = this.readAll(ready);
+    await Promise.race([subscribed, all]);
+    const body = {
+      model, messages, stream: true, logprobs: true,
+      temperature: Number($("temperature").value), top_p: Number($("top-p").value),
+      max_tokens: Number($("max-tokens").value),
+    };
+    if ($("seed").value !== "") body.seed = Number($("seed").value);
+    const init = { method: "POST", headers: headers(true), body: JSON.stringify(body), signal: this.abort.signal };
+    const out = $("output-text");
+    for await (const data of sse("/v1/chat/completions", init)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (this.id === null) this.adopt(chunk.id);
+      for (const choice of chunk.choices || []) {
+        if (choice.delta && choice.delta.content) out.textContent += choice.delta.content;
+        if (choice.finish_reason) $("finish").textContent = choice.finish_reason;
+      }
+    }
+    // The `finished` event may trail the text by a moment: give it a short grace.
+    await Promise.race([this.finished, new Promise((r) => setTimeout(r, 3000))]);
+  }
+
+  adopt(id) {
+    this.id = id;
+    document.body.dataset.requestId = id;
+    const early = this.pending;
+    this.pending = [];
+    for (const e of early) if (e.request_id === id) this.onEvent(e);
+    this.follow(id);
+  }
+
+  async readAll(ready) {
+    const init = { headers: headers(), signal: this.firehose.signal };
+    try {
+      for await (const data of sse("/v1/fornax/events", init, ready)) {
+        const e = JSON.parse(data);
+        if (this.id === null) this.pending.push(e);
+        else if (e.request_id === this.id) this.onEvent(e);
+      }
+    } catch (err) {
+      ready();
+      if (err.name !== "AbortError") handleError(err);
+    }
+  }
+
+  async follow(id) {
+    const init = { headers: headers(), signal: this.abort.signal };
+    // Drop the firehose only once this stream has subscribed: until then it keeps the bus
+    // recording the history this stream starts with.
+    const onOpen = () => this.firehose.abort();
+    try {
+      for await (const data of sse("/v1/fornax/events?request_id=" + encodeURIComponent(id), init, onOpen)) {
+        this.onEvent(JSON.parse(data));
+      }
+    } catch (err) {
+      if (err.name !== "AbortError") handleError(err);
+    }
+  }
+
+  onEvent(e) {
+    if (e.seq !== undefined) {
+      if (e.seq <= this.lastSeq) return;  // seen on the other stream already
+      this.lastSeq = e.seq;
+    }
+    const handler = this["on_" + e.type];
+    if (handler) handler.call(this, e);
+  }
+
+  on_queued(e) {
+    this.promptLen = e.num_prompt_tokens;
+    $("queue-pos").textContent = "#" + (e.position + 1) + " of " + e.num_waiting + " waiting (" + e.num_running + " running)";
+  }
+
+  on_scheduled(e) {
+    $("sched-step").textContent = e.step;
+    $("batch-size").textContent = e.batch_size;
+    $("cached-tokens").textContent = e.num_cached_tokens + " of " + this.promptLen + " prompt tokens";
+    const batch = $("batch");
+    batch.textContent = "";
+    batch.appendChild(chip("this request", null, "me"));
+    for (const other of e.batch) batch.appendChild(chip(other.slice(0, 16) + "…", null, "", other));
+    if (e.num_cached_tokens > 0) this.segment(0, e.num_cached_tokens, "cached", "cache");
+    stage("prefill");
+  }
+
+  on_blocks(e) {
+    const box = $("blocks");
+    for (const id of e.cached) box.appendChild(block(id, true));
+    for (const id of e.new) box.appendChild(block(id, false));
+    box.dataset.cached = box.querySelectorAll(".block.cached").length;
+  }
+
+  on_prefill_chunk(e) {
+    this.segment(e.start, e.end, "chunk", e.end - e.start);
+    const li = document.createElement("li");
+    li.textContent = "step " + e.step + ": tokens " + e.start + "–" + e.end + " of " + e.num_prompt_tokens + " in " + fmtMs(e.duration_s);
+    $("chunks").appendChild(li);
+  }
+
+  segment(start, end, cls, label) {
+    const seg = document.createElement("div");
+    seg.className = "seg " + cls;
+    seg.style.width = (100 * (end - start) / Math.max(this.promptLen, 1)) + "%";
+    seg.textContent = label;
+    seg.title = cls === "cached" ? "tokens 0–" + end + " from the prefix cache" : "tokens " + start + "–" + end + " computed";
+    $("prefill-bar").appendChild(seg);
+  }
+
+  on_token(e) {
+    if (this.tokens === 0) stage("output");
+    if (e.ttft_s !== undefined && e.ttft_s !== null) $("ttft").textContent = fmtMs(e.ttft_s);
+    this.tokens += 1;
+    const now = performance.now();
+    if (this.firstTokenAt === null) this.firstTokenAt = now;
+    if (e.itl_s !== null) this.itls.push(e.itl_s);
+    const sub = e.itl_s === null ? "TTFT" : fmtMs(e.itl_s);
+    const title = "id " + e.token_id + " · bytes " + (e.bytes.match(/../g) || []).join(" ") +
+      (e.logprob === null ? "" : " · logprob " + e.logprob.toFixed(4) + " (p=" + Math.exp(e.logprob).toFixed(3) + ")") +
+      " · step " + e.step + ", batch of " + e.batch_size;
+    const el = chip(visible(e.text, e.bytes), sub, "new", title);
+    el.dataset.id = e.token_id;
+    if (e.itl_s !== null) el.dataset.itl = e.itl_s;
+    if (e.logprob !== null) el.dataset.logprob = e.logprob;
+    $("output-tokens").appendChild(el);
+    $("out-count").textContent = this.tokens;
+    const secs = (now - this.firstTokenAt) / 1000;
+    if (this.itls.length) {
+      const sum = this.itls.reduce((a, b) => a + b, 0);
+      $("itl-mean").textContent = fmtMs(sum / this.itls.length);
+      $("tps").textContent = (this.itls.length / Math.max(sum, 1e-9)).toFixed(1) + " (wall " + (secs > 0 ? (this.itls.length / secs).toFixed(1) : "–") + ")";
+    }
+  }
+
+  on_preempted() {
+    $("chunks").appendChild(Object.assign(document.createElement("li"), { textContent: "preempted: blocks freed, back to the queue" }));
+    $("blocks").textContent = "";
+  }
+
+  on_finished(e) {
+    $("finish").textContent = e.finish_reason;
+    if (e.timings && e.timings.ttft_s !== undefined) $("ttft").textContent = fmtMs(e.timings.ttft_s);
+    this.markFinished();
+  }
+}
+
+function block(id, cached) {
+  const el = document.createElement("span");
+  el.className = "block" + (cached ? " cached" : "");
+  el.textContent = id;
+  el.title = "block " + id + (cached ? " · prefix-cache hit" : " · newly allocated");
+  return el;
+}
+
+// ---- the live panel ----------------------------------------------------------------------------
+
+async function startLive() {
+  if (liveAbort) liveAbort.abort();
+  liveAbort = new AbortController();
+  try {
+    for await (const data of sse("/v1/fornax/live?interval=1", { headers: headers(), signal: liveAbort.signal })) {
+      renderLive(JSON.parse(data));
+    }
+  } catch (err) {
+    if (err.name === "AbortError") return;
+    handleError(err);
+    return;
+  }
+  setTimeout(startLive, 2000);  // the server closed it (restart?): reconnect
+}
+
+function renderLive(s) {
+  const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%");
+  const ms = (x) => (x === null || x === undefined ? "–" : x.toFixed(1) + " ms");
+  $("live-running").textContent = s.num_running ?? "–";
+  $("live-waiting").textContent = s.num_waiting ?? "–";
+  $("live-kv").textContent = pct(s.kv_cache_usage) + (s.num_blocks ? " of " + s.num_blocks + " blocks" : "");
+  $("live-kv-meter").value = s.kv_cache_usage || 0;
+  $("live-tps").textContent = s.tokens_per_s_10s.toFixed(1) + " tok/s";
+  $("live-ttft").textContent = ms(s.ttft_ms_p50);
+  $("live-itl").textContent = ms(s.itl_ms_p50);
+  $("live-hit").textContent = pct(s.prefix_cache_hit_rate);
+  const list = (id, items, fmt) => {
+    const box = $(id);
+    box.textContent = "";
+    if (!items || !items.length) box.appendChild(chip("(empty)", null, "idle"));
+    for (const r of items || []) box.appendChild(chip(r.request_id.slice(0, 14) + "…", fmt(r), r.request_id === document.body.dataset.requestId ? "me" : "", r.request_id));
+  };
+  list("live-run-list", s.running, (r) => r.num_computed_tokens + "/" + r.num_tokens + " tok");
+  list("live-wait-list", s.waiting, (r) => r.num_prompt_tokens + " tok");
+  renderCharts(s.series || []);
+}
+
+function renderCharts(series) {
+  if (typeof window.uPlot === "undefined") {
+    $("charts-missing").hidden = false;
+    return;
+  }
+  const t = series.map((p) => p.t);
+  const tps = [t, series.map((p) => p.tokens_per_s)];
+  const lat = [t, series.map((p) => p.ttft_ms), series.map((p) => p.itl_ms)];
+  const width = () => Math.max(240, $("chart-tps").clientWidth || 300);
+  if (!charts) {
+    // Always show the whole window (5 minutes), not just the span that has data so far.
+    const x = { time: true, range: (u, min, max) => [Math.min(min, Date.now() / 1000 - 300), Math.max(max, Date.now() / 1000)] };
+    const y = { range: (u, min, max) => [0, Math.max(max || 0, 1) * 1.1] };  // rates and latencies start at 0
+    const base = (title) => ({ title, width: width(), height: 160, scales: { x, y }, legend: { show: true } });
+    charts = {
+      tps: new uPlot({ ...base("output tokens/s"), series: [{}, { label: "tok/s", stroke: "#3b5bdb", fill: "#3b5bdb22" }] }, tps, $("chart-tps")),
+      lat: new uPlot({ ...base("latency (ms, p50)"), series: [{}, { label: "TTFT", stroke: "#f08c00", spanGaps: true }, { label: "ITL", stroke: "#2f9e44", spanGaps: true }] }, lat, $("chart-lat")),
+    };
+    window.addEventListener("resize", () => { for (const c of Object.values(charts)) c.setSize({ width: width(), height: 160 }); });
+  } else {
+    charts.tps.setData(tps);
+    charts.lat.setData(lat);
+  }
+}
+
+// ---- start -------------------------------------------------------------------------------------
+
+window.addEventListener("DOMContentLoaded", () => {
+  $("play-form").addEventListener("submit", play);
+  $("auth-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    apiKey = $("api-key").value.trim();
+    localStorage.setItem(KEY_STORE, apiKey);
+    connect();
+  });
+  connect();
+});

@@ -1,0 +1,236 @@
+"""The live inference visualizer: its page (/ui) and the endpoints the page reads.
+
+    GET  /ui/...              the static page (public: it holds no data; every call it makes
+                              sends the API key, which the page asks for)
+    POST /v1/fornax/tokens    a prompt's tokens with their bytes and which ones the chat template added
+    GET  /v1/fornax/events    SSE of engine lifecycle events (engine/events.py), all requests or
+                              `?request_id=` one (its history first, ending when it finishes)
+    GET  /v1/fornax/live      SSE of server-wide snapshots (queues, KV cache, throughput, TTFT/ITL)
+
+The page talks HTTP only, like any client (DESIGN.md): it never sees engine objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
+
+from fornax.engine.async_engine import AsyncEngine
+from fornax.metrics.live import LiveStats
+from fornax.server.errors import ApiError, bad_request
+from fornax.server.limits import check_messages, parse_model, read_json_body
+from fornax.server.protocol import TokenizeRequest
+from fornax.server.state import ServerState
+
+UI_DIR = Path(__file__).parent / "ui"
+# Installed by `make setup` (npm), not committed: the page works without it, minus charts.
+_VENDOR = {
+    "uplot.js": UI_DIR / "vendor" / "node_modules" / "uplot" / "dist" / "uPlot.iife.min.js",
+    "uplot.css": UI_DIR / "vendor" / "node_modules" / "uplot" / "dist" / "uPlot.min.css",
+}
+_PAGES = {"index.html", "app.js", "style.css"}
+KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.fornax
+
+
+def _engine(request: Request) -> AsyncEngine:
+    engine = _state(request).engine
+    if engine is None:
+        raise ApiError(503, "the model is still loading", code="service_unavailable")
+    return engine
+
+
+# ---- the page ----------------------------------------------------------------------------------------
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/ui", include_in_schema=False)
+async def to_ui() -> Response:
+    return RedirectResponse("/ui/")
+
+
+@router.get("/ui/", include_in_schema=False)
+@router.get("/ui/{name}", include_in_schema=False)
+@router.get("/ui/vendor/{name}", include_in_schema=False)
+async def ui_file(request: Request, name: str = "index.html") -> Response:
+    vendor = request.url.path.startswith("/ui/vendor/")
+    path = _VENDOR.get(name) if vendor else (UI_DIR / name if name in _PAGES else None)
+    if path is None or not path.is_file():
+        raise ApiError(404, f"no such file: {request.url.path}", code="not_found")
+    # no-cache: the page is small, and a stale app.js after an upgrade would talk an old protocol
+    return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+
+
+@router.post("/v1/fornax/tokens")
+async def tokens(request: Request) -> dict[str, Any]:
+    """Like /tokenize, plus per token: its text, its bytes, and whether the chat template added it."""
+    state, engine = _state(request), _engine(request)
+    req = parse_model(TokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    tok = engine.tokenizer
+    if req.messages is not None:
+        messages = check_messages(req.messages, state.config)
+        try:
+            text = await asyncio.to_thread(tok.apply_chat_template, messages,
+                                           add_generation_prompt=req.add_generation_prompt)  # fmt: skip
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        assert isinstance(text, str)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        # The same call apply_chat_template(tokenize=True) makes, but keeping character offsets.
+        enc = await asyncio.to_thread(tok.backend.encode, text, add_special_tokens=False)
+        ids, offsets = list(enc.ids), list(enc.offsets)
+        spans = _content_spans(text, contents)
+    else:
+        assert req.prompt is not None
+        ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        offsets, spans = [], []
+    special = set(tok.all_special_ids)
+    out = []
+    for i, token_id in enumerate(ids):
+        in_content = bool(offsets) and any(a <= offsets[i][0] and offsets[i][1] <= b for a, b in spans)
+        out.append({
+            "id": token_id,
+            "text": tok.decode([token_id], skip_special_tokens=False),
+            "bytes": tok.token_bytes(token_id).hex(),
+            "special": token_id in special,
+            "template": bool(offsets) and not in_content,
+        })  # fmt: skip
+    return {"tokens": out, "ids": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+
+def _content_spans(text: str, contents: list[str]) -> list[tuple[int, int]]:
+    """Where each message's own text sits in the rendered template (searched in order)."""
+    spans, at = [], 0
+    for content in contents:
+        if not content:
+            continue
+        found = text.find(content, at)
+        if found < 0:
+            continue  # the template rewrote it (e.g. stripped): its tokens count as template
+        spans.append((found, found + len(content)))
+        at = found + len(content)
+    return spans
+
+
+# ---- event streams -----------------------------------------------------------------------------------
+
+
+class _SSE(StreamingResponse):
+    """An event stream whose generator is always closed, so its bus subscription is released
+    as soon as the client goes away (not at garbage collection)."""
+
+    def __init__(self, chunks: AsyncIterator[str]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@router.get("/v1/fornax/events")
+async def events(request: Request, request_id: str | None = None) -> Response:
+    state, engine = _state(request), _engine(request)
+
+    async def stream() -> AsyncIterator[str]:
+        # Subscribed here, not before the response: a generator that never starts would never
+        # reach its `finally`, and a leaked subscription keeps the bus active for good.
+        sub = engine.core.events.subscribe(request_id)
+        try:
+            yield ": subscribed\n\n"  # flushes the headers at once, so the client knows it is listening
+            remaining: int | None = None  # sequences still running, once the `queued` event told n
+            dropped, quiet_since = 0, time.monotonic()
+            while not state.draining:  # a watcher must not hold a shutting-down server open
+                try:
+                    event = await asyncio.wait_for(sub.get(), 1.0)
+                except TimeoutError:
+                    if time.monotonic() - quiet_since > KEEPALIVE_S:
+                        quiet_since = time.monotonic()
+                        yield ": keepalive\n\n"
+                    continue
+                quiet_since = time.monotonic()
+                if sub.dropped != dropped:
+                    yield _sse({"type": "dropped", "count": sub.dropped - dropped})
+                    dropped = sub.dropped
+                yield _sse(event.to_json())
+                if request_id is not None:
+                    if event.type == "queued":
+                        remaining = int(event.data.get("n", 1))
+                    elif event.type == "finished":
+                        remaining = (remaining or 1) - 1
+                        if remaining <= 0:
+                            return
+        finally:
+            sub.close()
+
+    return _SSE(stream())
+
+
+@router.get("/v1/fornax/live")
+async def live(request: Request, interval: float = 1.0, once: bool = False) -> Response:
+    state, engine, stats = _state(request), _engine(request), request.app.state.live
+    interval = min(max(interval, 0.2), 10.0)
+    if once:
+        return Response(json.dumps(await _snapshot(engine, stats)), media_type="application/json")
+
+    async def stream() -> AsyncIterator[str]:
+        while not state.draining:
+            yield _sse(await _snapshot(engine, stats))
+            await asyncio.sleep(interval)
+
+    return _SSE(stream())
+
+
+async def _snapshot(engine: AsyncEngine, stats: LiveStats) -> dict[str, Any]:
+    out: dict[str, Any] = {"time": time.time(), **stats.summary()}
+    if engine.dead_error is None:
+        out.update(await engine.call(_queues))
+    return out
+
+
+def _queues(core: Any) -> dict[str, Any]:
+    """Read in the engine thread between steps, so the queues and the cache agree."""
+    sched, kv = core.scheduler, core.scheduler.kv
+
+    def parent(request_id: str) -> str:
+        seq = core.seqs.get(request_id)
+        return seq.parent_id if seq is not None else request_id
+
+    running = [{"request_id": parent(r.request_id), "num_computed_tokens": r.num_computed_tokens,
+                "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
+                "num_blocks": len(kv.get_block_ids(r.request_id))} for r in sched.running]  # fmt: skip
+    waiting = [{"request_id": parent(r.request_id), "num_prompt_tokens": r.num_prompt_tokens}
+               for r in sched.waiting]  # fmt: skip
+    return {
+        "num_running": sched.num_running, "num_waiting": sched.num_waiting, "running": running,
+        "waiting": waiting, "kv_cache_usage": kv.usage, "num_blocks": kv.num_blocks,
+        "num_free_blocks": kv.num_free_blocks, "block_size": kv.block_size,
+        "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+        "num_preemptions_total": sched.num_preemptions_total,
+        "watchers": core.events.num_subscribers,
+    }  # fmt: skip
