@@ -10,7 +10,14 @@ import argparse
 import sys
 import time
 
-from fornax.config import DEFAULT_MODEL, CacheConfig, ConfigError, SchedulerConfig, ServerConfig
+from fornax.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    ConfigError,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +32,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantized kernels for small (decode) steps; default: dense weights")  # fmt: skip
     p.add_argument("--small-step-max-rows", type=int, default=24,
                    help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
+    p.add_argument("--attention-backend", default="native", choices=["native", "torch"],
+                   help="native: compiled kernel reading the paged cache in place (torch ops if it cannot be built)")  # fmt: skip
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +96,31 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
+    _add_spec_args(p)
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, draft '
+                           '(with "model"), self (with "draft_layers" and/or "quantization")')
+    spec.add_argument("--speculative-model", default=None,
+                      help="draft model (same tokenizer): shorthand for method 'draft' with this model")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None,
+                      help="draft tokens per step (overrides the value in --speculative-config)")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """--speculative-config JSON, with --speculative-model / --num-speculative-tokens merged in."""
+    base = SpeculativeConfig.from_dict(args.speculative_config)
+    value: dict = {} if base is None else {f: getattr(base, f) for f in base.__dataclass_fields__}
+    if args.speculative_model:
+        value |= {"method": value.get("method", "draft"), "model": args.speculative_model}
+    if args.num_speculative_tokens is not None:
+        if not value:
+            raise ConfigError("--num-speculative-tokens needs --speculative-config or --speculative-model")
+        value["num_speculative_tokens"] = args.num_speculative_tokens
+    return SpeculativeConfig.from_dict(value) if value else None
 
 
 def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -101,7 +135,7 @@ def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-               small_step_max_rows=args.small_step_max_rows)  # fmt: skip
+               small_step_max_rows=args.small_step_max_rows, attention_backend=args.attention_backend)  # fmt: skip
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -174,10 +208,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
+        attention_backend=args.attention_backend,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
                           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
+        speculative=speculative_config(args),
     )  # fmt: skip
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(server_config, engine_config)

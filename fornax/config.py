@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,100 @@ class SchedulerConfig:
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPEC_METHODS = ("ngram", "draft", "self")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, configured the vLLM way: one dict with a `method` and its knobs.
+
+    Every method proposes up to `num_speculative_tokens` tokens per request and step; the
+    target verifies them in the same forward pass as the rest of the batch (lossless).
+    """
+
+    method: str  # "ngram" (prompt lookup) | "draft" (a smaller model) | "self" (the target, cut down)
+    num_speculative_tokens: int = 4
+    # ngram: match the longest suffix of prompt + output of length in [min, max] seen earlier.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # draft: a model with the target's tokenizer (path, GGUF file, HF directory or alias).
+    model: str | None = None
+    # self: the target's first `draft_layers` layers + final norm + LM head (None: all layers),
+    # optionally with weight-only quantized linears (`quantization`: "int8" | "int4").
+    draft_layers: int | None = None
+    quantization: str | None = None
+    # Adaptive rule (spec_decode/controller.py): a request whose acceptance EMA falls below
+    # `min_acceptance_rate` stops speculating (it is re-probed every `probe_interval` steps);
+    # no request speculates in a step with more than `disable_by_batch_size` running requests
+    # (0: no limit); and in between, each step gets only the drafts whose expected gain pays
+    # for their cost, where one more verified row costs `row_cost` of a decode step's fixed
+    # cost and one draft token `draft_cost` (None: the proposer's own estimates, per token and
+    # for a draft model's catch-up; 0 for n-gram).
+    # row_cost 0.12 is measured here (benchmarks/spec_decode.py): on a CPU every verified row
+    # is real matmul work.
+    min_acceptance_rate: float = 0.2
+    acceptance_ema_decay: float = 0.5
+    probe_interval: int = 16
+    disable_by_batch_size: int = 32
+    row_cost: float = 0.12
+    draft_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            methods = ", ".join(SPEC_METHODS)
+            raise ConfigError(f"speculative method must be one of {methods}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            k = self.num_speculative_tokens
+            raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft" and not self.model:
+            raise ConfigError("speculative method 'draft' needs 'model': the draft model's path or alias")
+        if self.method != "draft" and self.model:
+            raise ConfigError(f"'model' only applies to method 'draft', not {self.method!r}")
+        if self.method != "self" and (self.draft_layers is not None or self.quantization is not None):
+            raise ConfigError("'draft_layers' and 'quantization' only apply to method 'self'")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ConfigError(f"draft_layers must be at least 1, got {self.draft_layers}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.method == "self" and self.draft_layers is None and self.quantization is None:
+            raise ConfigError("method 'self' needs 'draft_layers' and/or 'quantization'")
+        if not 0.0 <= self.min_acceptance_rate < 1.0:
+            raise ConfigError("min_acceptance_rate must be in [0, 1)")
+        if not 0.0 <= self.acceptance_ema_decay < 1.0:
+            raise ConfigError("acceptance_ema_decay must be in [0, 1)")
+        if self.probe_interval < 1 or self.disable_by_batch_size < 0:
+            raise ConfigError("probe_interval must be >= 1 and disable_by_batch_size >= 0")
+        if self.row_cost < 0 or (self.draft_cost is not None and self.draft_cost < 0):
+            raise ConfigError("row_cost and draft_cost must be >= 0")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A dict (or its JSON text, as on the command line) -> config; unknown keys are errors."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError("speculative config must be a JSON object / dict")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative config key(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ConfigError(f"speculative config needs 'method' (one of {', '.join(SPEC_METHODS)})")
+        try:
+            return cls(**value)
+        except TypeError as exc:  # e.g. a string where a number belongs, in a comparison
+            raise ConfigError(f"bad speculative config value: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs, built once."""
@@ -122,8 +216,13 @@ class EngineConfig:
     quantization: str | None = None
     # int4 beats bf16 per decode step up to ~24-32 rows here (benchmarks/decode_step.py)
     small_step_max_rows: int = 24
+    # "native": decode and short query runs attend with the compiled kernel that reads the
+    # paged cache in place (layers/native.py), falling back to torch ops when it cannot be
+    # built; "torch": always the torch-ops path (gather, then matmuls / SDPA).
+    attention_backend: str = "native"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -133,6 +232,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.small_step_max_rows < 0:
             raise ConfigError("small_step_max_rows must be >= 0")
+        if self.attention_backend not in ("native", "torch"):
+            raise ConfigError(f"attention_backend must be 'native' or 'torch', got {self.attention_backend!r}")
 
     @property
     def small_step_method(self) -> str | None:

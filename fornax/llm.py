@@ -6,7 +6,14 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fornax.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig, parse_memory_size
+from fornax.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_memory_size,
+)
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
@@ -27,6 +34,7 @@ class LLM:
         *,
         quantization: str | None = None,
         small_step_max_rows: int = 24,
+        attention_backend: str = "native",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
@@ -38,12 +46,14 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         seed: int = 0,
         progress: bool = True,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
             dtype=dtype,
             quantization=quantization,
             small_step_max_rows=small_step_max_rows,
+            attention_backend=attention_backend,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),
@@ -57,6 +67,7 @@ class LLM:
                 policy=scheduling_policy,
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
+            speculative=SpeculativeConfig.from_dict(speculative_config),
             seed=seed,
         )
         self.engine: EngineCore = build_engine_core(config, progress=progress)

@@ -15,12 +15,15 @@ import torch
 
 from fornax.config import EngineConfig
 from fornax.engine.detokenizer import IncrementalDetokenizer
-from fornax.engine.outputs import EngineOutput, TokenLogprobs
+from fornax.engine.event_tap import EventTap
+from fornax.engine.events import EventBus
+from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
 from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
+from fornax.spec_decode.controller import SpecController
 from fornax.tokenizer import Tokenizer
 
 
@@ -48,12 +51,19 @@ class EngineCore:
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, cache.block_size, dtype)
+        self.runner = ModelRunner(
+            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.attention_backend
+        )
+        self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions
         self.children: dict[str, list[str]] = {}  # parent id -> child request ids
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
         self.last_step: tuple[int, int] = (0, 0)  # (batched tokens, sequences) of the last step
+        # Lifecycle events for live views (engine/events.py). The tap builds events only while
+        # the bus has a subscriber; None removes even that check (the overhead benchmark's baseline).
+        self.events = EventBus()
+        self.event_tap: EventTap | None = EventTap(self.events, cache.block_size)
         torch.manual_seed(config.seed)
 
     # -- requests in and out --
@@ -83,6 +93,8 @@ class EngineCore:
             self.seqs[child.request_id] = _Sequence(request_id, index, detok)
         if len(children) > 1:
             self.held[children[0].request_id] = children[1:]
+        if self.event_tap is not None and self.events.active:
+            self.event_tap.on_add(self, request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sequence of a request, wherever it is; emits final 'abort' outputs."""
@@ -101,29 +113,65 @@ class EngineCore:
     # -- the step --
     def step(self) -> list[EngineOutput]:
         outputs, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts ride on this step's decodes
         sched = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.drop(sched.finished_request_ids)  # the draft model frees their KV too
         self.last_step = (sched.num_batched_tokens, len(sched.scheduled))
+        tap = self.event_tap if self.event_tap is not None and self.events.active else None
+        if tap is not None:
+            tap.on_schedule(self, sched)
         if sched.is_empty:
             self.runner.execute(sched)  # still drops finished requests' RNG state
+            if tap is not None:
+                tap.on_outputs(self, outputs)
             return outputs
         result = self.runner.execute(sched)
         for request_id, entries in result.prompt_logprobs.items():
             self.seqs[request_id].prompt_logprobs.extend(entries)
+        num_before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         for req in self.scheduler.update_from_output(sched, result):
-            token = req.output_token_ids[-1]
-            seq = self.seqs[req.request_id]
+            tokens, logprobs = self._detokenize(req, num_before[req.request_id], result)
+            outputs.append(self._output(req, tokens, logprobs))
+        if self.spec is not None:
+            self.spec.observe(sched, result)
+        self._release_siblings()
+        if tap is not None:
+            tap.on_outputs(self, outputs)
+        return outputs
+
+    def _detokenize(
+        self, req: Request, num_before: int, result: ModelRunnerOutput
+    ) -> tuple[list[int], list[TokenLogprobs]]:
+        """Feed this step's new tokens (one, or several after accepted drafts) to the detokenizer.
+
+        A stop string found before the last of them ends the request right there: the tokens
+        after it are dropped, exactly as if they had never been generated.
+        """
+        rid = req.request_id
+        tokens = req.output_token_ids[num_before:]
+        logprobs = result.spec_logprobs.get(rid) or ([result.logprobs[rid]] if rid in result.logprobs else [])
+        seq = self.seqs[rid]
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
             # A token that ended the request (EOS, a stop token id) stays out of the text unless
             # asked for, like a stop string (vLLM's semantics); it is still in the token ids.
-            on_stop_token = req.status == RequestStatus.FINISHED_STOPPED
+            on_stop_token = last and req.status == RequestStatus.FINISHED_STOPPED
             hide = on_stop_token and not req.sampling_params.include_stop_str_in_output
             stop = None if hide else seq.detok.update([token])
-            if stop is not None and not req.is_finished:
+            if stop is None:
+                continue
+            if not last:
+                req.truncate_output(num_before + i + 1)
+                tokens, logprobs = tokens[: i + 1], logprobs[: i + 1]
+                if req.is_finished:  # finished (and freed) on a later token that is now dropped
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            if not req.is_finished:
                 req.stop_reason = stop
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            logprobs = [result.logprobs[req.request_id]] if req.request_id in result.logprobs else []
-            outputs.append(self._output(req, [token], logprobs))
-        self._release_siblings()
-        return outputs
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            break
+        return tokens, logprobs
 
     def _release_siblings(self) -> None:
         for leader_id in list(self.held):
@@ -171,6 +219,17 @@ class EngineCore:
         return self.scheduler.kv_cache_usage
 
 
+def _build_spec(
+    config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_len: int, kernel: object | None
+) -> SpecController | None:
+    if config.speculative is None:
+        return None
+    from fornax.spec_decode import TargetInfo, build_proposer
+
+    target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
+    return SpecController(config.speculative, build_proposer(config.speculative, target))
+
+
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The n-th sample of a request: n=1, and a distinct seed so samples differ but stay reproducible."""
     seed = None if params.seed is None else params.seed + index
@@ -189,6 +248,20 @@ def _timings(req: Request) -> dict[str, float]:
         "decode_s": (t.last_token or first_tok) - first_tok,
         "e2e_s": end - t.arrival,
         "num_preemptions": float(req.num_preemptions),
+    } | _spec_timings(req)
+
+
+def _spec_timings(req: Request) -> dict[str, float]:
+    """Speculative decoding figures for requests that verified drafts (nothing otherwise)."""
+    spec = req.spec
+    if not spec.num_steps:
+        return {}
+    return {
+        "spec_acceptance_rate": spec.acceptance_rate,
+        "spec_mean_accepted_len": spec.mean_accepted_length,
+        "spec_num_draft_tokens": float(spec.num_draft_tokens),
+        "spec_num_accepted_tokens": float(spec.num_accepted_tokens),
+        "spec_num_steps": float(spec.num_steps),
     }
 
 

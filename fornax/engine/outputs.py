@@ -19,6 +19,10 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
+    # Draft tokens verified this step: they follow the request's known tokens, so the step
+    # computes positions [start, num_tokens + len(spec_token_ids)) and samples at the last
+    # 1 + len(spec_token_ids) of them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -28,7 +32,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens == self.request.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -67,6 +71,10 @@ class ModelRunnerOutput:
     # request_id -> logprobs of prompt tokens computed this step (positions start+1 .. ),
     # one entry per prompt token after the first.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that verified drafts: their new tokens (the accepted drafts, then the target's
+    # own token) in place of an entry in `sampled`, and logprobs for each of them.
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

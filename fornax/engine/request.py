@@ -52,6 +52,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per sampled token (0: only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Speculative decoding: at most this many draft tokens per step for this request
+    # (None: the engine's num_speculative_tokens; 0: never speculate). Output is the same.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +114,9 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             if not isinstance(t, int) or t < 0:
                 bad("stop_token_ids", f"stop_token_ids must be token ids, got {t!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= 16):
+            bad("num_speculative_tokens", f"num_speculative_tokens must be in [0, 16], got {k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -159,6 +165,26 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding per request: what was proposed and accepted, and the adaptive state."""
+
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    num_steps: int = 0  # verification steps (each also yields one target-sampled token)
+    acceptance_ema: float = 1.0  # optimistic start: every request gets to try
+    paused_steps: int = 0  # steps to wait before probing again after a poor run
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification step: accepted drafts + the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+
+
 class Request:
     """One sequence being generated. A request with n > 1 is fanned out into n of these."""
 
@@ -192,6 +218,11 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until first scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Draft tokens for the next step only: never part of all_token_ids (so hashes, penalties
+        # and counts see accepted tokens only). The scheduler may shorten them; the step's
+        # verification turns a prefix of them into real tokens and drops the rest.
+        self.spec_token_ids: list[int] = []
+        self.spec = SpecStats()
         # Sampled-token budget: max_tokens, capped so prompt + output fits the model context.
         limit = sampling_params.max_tokens
         if max_model_len is not None:
@@ -219,6 +250,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a stop string found mid-run)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]
 
     def check_stop_on_token(self) -> bool:
         """After appending a token: finish on EOS, a stop token id or the length limit.

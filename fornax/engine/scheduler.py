@@ -85,6 +85,8 @@ class Scheduler:
         # Ids freed as finished or aborted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.spec_num_draft_tokens_total = 0  # drafts verified, over the engine's life
+        self.spec_num_accepted_tokens_total = 0
 
     # -- queries --
     @property
@@ -167,6 +169,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self._free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.push_front(request)
@@ -216,10 +219,16 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_pending = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(num_pending, budget)
             if num_new <= 0:
                 continue  # nothing pending; cannot happen while every step samples
-            block_ids = self.kv.allocate_slots(request, num_new)
+            spec = self._take_drafts(request, num_new, budget)
+            block_ids = self.kv.allocate_slots(request, num_new + len(spec))
+            if block_ids is None and spec:
+                spec = []  # drafts are optional: drop them before preempting anyone for room
+                block_ids = self.kv.allocate_slots(request, num_new)
+            num_new += len(spec)
             while block_ids is None:
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
@@ -234,9 +243,22 @@ class Scheduler:
                 # FCFS only picks itself when it is last in running order, so nothing is left;
                 # under 'priority' the rest outrank it and are still served this step.
                 continue
-            scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids, spec)
             budget -= num_new
         return budget
+
+    def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens that fit this step (clearing them on the request).
+
+        Drafts only ride on a decode (the one pending token is the last known one), never
+        take budget another request's token needs, and never run past max_tokens: with all
+        of them accepted plus the target's own token, the request ends exactly at its limit.
+        """
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return spec[: max(room, 0)]
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
@@ -272,16 +294,20 @@ class Scheduler:
             request = sched.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or finished between schedule() and now
-            request.num_computed_tokens += sched.num_new_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            token = runner_output.sampled.get(request.request_id)
-            if token is None:
-                continue  # a prefill chunk short of the prompt's end samples nothing
-            request.append_output_token(token)
-            if request.times.first_token is None:
-                request.times.first_token = now
-            request.times.last_token = now
-            if request.check_stop_on_token():  # sets the finished status
+            start = request.num_computed_tokens
+            tokens = runner_output.spec_sampled.get(request.request_id)
+            verified = tokens is not None
+            if tokens is None:
+                request.num_computed_tokens += sched.num_new_tokens
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+                token = runner_output.sampled.get(request.request_id)
+                if token is None:
+                    continue  # a prefill chunk short of the prompt's end samples nothing
+                tokens = [token]
+            stopped = self._append_tokens(request, tokens, now)
+            if verified:
+                self._settle_drafts(request, sched, start, len(tokens) - 1, stopped)
+            if stopped:
                 finished.append(request)
             changed.append(request)
         if finished:
@@ -290,3 +316,40 @@ class Scheduler:
             for request in finished:
                 self._free(request)
         return changed
+
+    @staticmethod
+    def _append_tokens(request: Request, tokens: list[int], now: float) -> bool:
+        """Append new tokens one by one, stopping at the first that finishes the request.
+
+        Tokens after it are dropped, exactly as if they had never been generated: a run of
+        accepted drafts that crosses max_tokens or a stop token is cut there.
+        """
+        if request.times.first_token is None:
+            request.times.first_token = now
+        request.times.last_token = now
+        for token in tokens:
+            request.append_output_token(token)
+            if request.check_stop_on_token():  # sets the finished status
+                return True
+        return False
+
+    def _settle_drafts(
+        self, request: Request, sched: ScheduledRequest, start: int, num_accepted: int, finished: bool
+    ) -> None:
+        """After a verification: count the drafts, roll back rejected ones, release their blocks.
+
+        Positions start .. start + num_accepted hold the last known token and the accepted
+        drafts, all verified; the K/V written at rejected positions is stale and the blocks
+        that only held those go back to the pool. Hashes cover accepted tokens only, since
+        drafts never enter all_token_ids.
+        """
+        request.spec.num_steps += 1
+        request.spec.num_draft_tokens += len(sched.spec_token_ids)
+        request.spec.num_accepted_tokens += num_accepted
+        self.spec_num_draft_tokens_total += len(sched.spec_token_ids)
+        self.spec_num_accepted_tokens_total += num_accepted
+        # The last appended token is never computed yet; a cut run appended fewer tokens.
+        request.num_computed_tokens = min(start + 1 + num_accepted, request.num_tokens - 1)
+        if not finished:
+            self.kv.trim(request, request.num_computed_tokens)
+            self.kv.cache_blocks(request, request.num_computed_tokens)

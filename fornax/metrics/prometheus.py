@@ -70,6 +70,8 @@ class EngineSnapshot:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 def snapshot_engine(core: object) -> EngineSnapshot:
@@ -83,6 +85,8 @@ def snapshot_engine(core: object) -> EngineSnapshot:
         num_preemptions_total=sched.num_preemptions_total,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
+        spec_num_draft_tokens=sched.spec_num_draft_tokens_total,
+        spec_num_accepted_tokens=sched.spec_num_accepted_tokens_total,
     )
 
 
@@ -137,7 +141,12 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted to free KV cache blocks.")
-        self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0}
+        self.spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
+        self.spec_acceptance = hist("spec_decode_acceptance_rate",
+                                    "Per speculating request: accepted / proposed draft tokens.",
+                                    tuple(i / 10 for i in range(1, 11)))  # fmt: skip
+        self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0}
         # Last token time per (engine request id, choice index): touched by the engine thread only.
         self._last_token: dict[tuple[str, int], float] = {}
         self._last_prune = time.time()  # StepStats.time is wall-clock time
@@ -156,6 +165,8 @@ class Metrics:
         t = record.timings
         if not t:
             return
+        if "spec_acceptance_rate" in t:
+            self.spec_acceptance.observe(t["spec_acceptance_rate"])
         self.ttft.observe(t.get("ttft_s", 0.0))
         self.e2e.observe(t.get("e2e_s", 0.0))
         self.queue.observe(t.get("queue_s", 0.0))
@@ -203,7 +214,9 @@ class Metrics:
         self.kv_usage.set(snap.kv_cache_usage)
         mirrors = (("queries", snap.prefix_cache_queries, self.prefix_queries),
                    ("hits", snap.prefix_cache_hits, self.prefix_hits),
-                   ("preemptions", snap.num_preemptions_total, self.preemptions))  # fmt: skip
+                   ("preemptions", snap.num_preemptions_total, self.preemptions),
+                   ("drafts", snap.spec_num_draft_tokens, self.spec_drafts),
+                   ("accepted", snap.spec_num_accepted_tokens, self.spec_accepted))  # fmt: skip
         for key, total, counter in mirrors:
             delta = total - self._mirrored[key]
             if delta > 0:

@@ -162,6 +162,7 @@ class Generation:
             "decode_s": max(t.get("decode_s", 0.0) for t in ts),
             "e2e_s": max(t.get("e2e_s", 0.0) for t in ts),
         }
+        merged |= _merge_spec(ts)
         return _with_rates(merged, self.num_completion_tokens)
 
     def _record(self, aborted: bool) -> RequestRecord:
@@ -209,3 +210,19 @@ async def _wait_disconnect(request: Request) -> None:
         message: dict[str, Any] = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _merge_spec(ts: list[dict[str, float]]) -> dict[str, float]:
+    """Speculative decoding figures over all choices: sums, then rates of the sums."""
+    steps = sum(t.get("spec_num_steps", 0.0) for t in ts)
+    if not steps:
+        return {}
+    drafts = sum(t.get("spec_num_draft_tokens", 0.0) for t in ts)
+    accepted = sum(t.get("spec_num_accepted_tokens", 0.0) for t in ts)
+    return {
+        "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "spec_mean_accepted_len": 1.0 + accepted / steps,
+        "spec_num_draft_tokens": drafts,
+        "spec_num_accepted_tokens": accepted,
+        "spec_num_steps": steps,
+    }

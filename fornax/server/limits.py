@@ -240,6 +240,7 @@ def build_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo_logprobs else None,
+            num_speculative_tokens=req.num_speculative_tokens,
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None

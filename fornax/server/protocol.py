@@ -77,6 +77,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    num_speculative_tokens: int | None = None  # fornax: per-request draft tokens (0: no speculation)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -153,6 +153,23 @@ class KVCacheManager:
         if num_full > start:
             self._num_cached[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the blocks past the first cdiv(num_tokens, block_size); returns how many.
+
+        Rejected draft tokens leave blocks beyond the request's computed tokens: those go back
+        to the pool at once. Only fresh blocks can lie there (cached blocks hold computed
+        tokens only), so nothing shared or registered in the prefix cache is touched.
+        """
+        table = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        assert self._num_cached[request.request_id] <= keep, "trim would drop a cached block"
+        dropped = table[keep:]
+        del table[keep:]
+        self.pool.free_blocks(self.pool.blocks[i] for i in reversed(dropped))
+        return len(dropped)
+
     def free(self, request: Request) -> None:
         """Release every block of the request (finish, abort, preempt); a no-op if it has none.
 

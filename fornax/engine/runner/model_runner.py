@@ -13,17 +13,27 @@ from fornax.config import ModelConfig
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request
 from fornax.engine.sample.metadata import SamplingMetadata, make_generator
+from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.native import load_paged_attention
 from fornax.models.llama import KVCache, LlamaForCausalLM
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        attention_backend: str = "native",
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype)
+        kernel = load_paged_attention() if attention_backend == "native" else None
+        self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
         self.sampler = Sampler()
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.
@@ -38,13 +48,14 @@ class ModelRunner:
         items = sched.scheduled
         input_ids, positions = self._flatten_tokens(items)
         spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
-        meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window)
+        meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window, self.attention_kernel)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
         ends = np.cumsum([s.num_new_tokens for s in items]) - 1
-        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples]
+        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.spec_token_ids]
         out = ModelRunnerOutput(sampled={})
         self._prompt_logprobs(items, hidden, ends, out)
+        self._verify_drafts(items, hidden, ends, out)
         if not sampling:
             return out
         rows = torch.as_tensor([int(ends[i]) for i, _ in sampling])
@@ -60,11 +71,29 @@ class ModelRunner:
                 out.logprobs[request.request_id] = to_token_logprobs(sampler_out, row, k)
         return out
 
+    def _verify_drafts(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput
+    ) -> None:
+        """Requests with drafts: target logits at their last k + 1 positions, then accept/reject."""
+        verifying = [(i, s) for i, s in enumerate(items) if s.spec_token_ids]
+        if not verifying:
+            return
+        rows = np.concatenate([np.arange(ends[i] - len(s.spec_token_ids), ends[i] + 1) for i, s in verifying])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])  # [sum(k + 1), vocab] float32
+        requests = [s.request for _, s in verifying]
+        self._ensure_generators(requests)
+        result = verify_drafts(logits, requests, [s.spec_token_ids for _, s in verifying], self.generators)
+        for request, tokens, logprobs in zip(requests, result.tokens, result.logprobs):
+            out.spec_sampled[request.request_id] = tokens
+            if logprobs is not None:
+                out.spec_logprobs[request.request_id] = logprobs
+
     def _flatten_tokens(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         pos_parts = []
         for s in items:
             ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            ids.extend(s.spec_token_ids)  # drafts follow the known tokens (one phase model)
             pos_parts.append(np.arange(s.start, s.start + s.num_new_tokens))
         return torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(pos_parts))
 

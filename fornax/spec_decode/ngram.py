@@ -1,0 +1,59 @@
+"""N-gram prompt lookup: propose what followed the last time the sequence's tail occurred.
+
+No model at all: the request's own prompt and output are the "draft model". It wins on
+input-grounded work (editing, summarising, code refactoring, RAG answers), where the output
+copies long spans of the input, and costs nothing when nothing matches (no proposal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from fornax.config import SpeculativeConfig
+from fornax.engine.request import Request
+from fornax.spec_decode import TargetInfo, register_proposer
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest matching tail.
+
+    Tries tail lengths max_n down to min_n. Among the occurrences of a tail, the latest one
+    with k tokens after it wins (recent context predicts best); if none has k, the latest.
+    """
+    length = len(tokens)
+    if length < min_n + 1 or k < 1:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))  # starts of earlier occurrences
+        if hits.size == 0:
+            continue
+        ends = hits + n  # first token after each occurrence; always < length
+        full = ends[ends + k <= length]
+        start = int(full[-1] if full.size else ends[-1])
+        return tokens[start : start + k]
+    return []
+
+
+class NgramProposer:
+    cost_per_token = 0.0  # a lookup in a list: nothing next to a forward pass
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [lookup(r.all_token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, num_tokens)]
+
+    def setup_cost(self, request: Request) -> float:
+        return 0.0
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        pass  # stateless
+
+
+@register_proposer("ngram")
+def _build(config: SpeculativeConfig, target: TargetInfo) -> NgramProposer:
+    return NgramProposer(config)

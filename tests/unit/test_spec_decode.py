@@ -1,0 +1,309 @@
+"""Speculative decoding, pure parts: config validation, n-gram lookup, the scheduler's
+accept/rollback bookkeeping (against a fake runner with a simulated KV cache), the adaptive
+rule, and the rejection sampler's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fornax.config import ConfigError, SpeculativeConfig
+from fornax.engine.kv.manager import cdiv
+from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from fornax.engine.request import Request, SamplingParams, SamplingParamsError
+from fornax.engine.sample.rejection import verify_drafts
+from fornax.engine.scheduler import Scheduler
+from fornax.spec_decode.controller import SpecController
+from fornax.spec_decode.ngram import NgramProposer, lookup
+from tests.unit.test_scheduler import FakeRunner, make, req
+
+# -- config --
+
+
+def test_config_from_dict_and_json():
+    text = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    cfg = SpeculativeConfig.from_dict(text)
+    assert cfg == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5)
+    assert SpeculativeConfig.from_dict(None) is None
+    assert SpeculativeConfig.from_dict({"method": "self", "draft_layers": 4}).draft_layers == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "medusa"}, "method must be one of"),
+        ({"num_speculative_tokens": 2}, "needs 'method'"),
+        ({"method": "ngram", "k": 2}, "unknown speculative config key"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in"),
+        ({"method": "draft"}, "needs 'model'"),
+        ({"method": "ngram", "model": "x"}, "only applies to method 'draft'"),
+        ({"method": "ngram", "draft_layers": 2}, "only apply to method 'self'"),
+        ({"method": "self"}, "needs 'draft_layers' and/or 'quantization'"),
+        ({"method": "self", "quantization": "int3"}, "quantization must be"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_config_errors_are_clear(value, message):
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.from_dict(value)
+
+
+def test_per_request_num_speculative_tokens_is_validated():
+    assert SamplingParams(num_speculative_tokens=0).num_speculative_tokens == 0
+    with pytest.raises(SamplingParamsError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
+# -- n-gram lookup --
+
+
+def test_ngram_prefers_the_longest_tail_then_the_latest_full_match():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    # tail [7, 2, 3] never occurred; [2, 3] occurred at 1 and 6: the latest with 2 tokens after wins.
+    assert lookup(tokens, 2, 1, 3) == [4, 5]
+    # Asking for 6: only the earlier occurrence has 6 tokens after it.
+    assert lookup(tokens, 6, 1, 3) == [9, 9, 1, 2, 3, 4]
+    # Asking for 11: none has, so the latest gives what there is.
+    assert lookup(tokens, 11, 1, 3) == [4, 5, 7, 2, 3]
+    assert lookup([1, 2, 3], 3, 1, 3) == []  # nothing repeats
+    assert lookup([4], 2, 1, 3) == []
+    assert lookup([5, 5, 5, 5], 2, 2, 2) == [5, 5]
+
+
+# -- scheduler bookkeeping with drafts --
+
+
+class FakeSpecRunner(FakeRunner):
+    """FakeRunner plus verification: writes drafts into the cache like real tokens, and accepts
+    draft j while it equals what the fake model would sample after the drafts before it."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        plain = [s for s in out.scheduled if not s.spec_token_ids]
+        result = super().execute(SchedulerOutput(plain, 0)) if plain else ModelRunnerOutput(sampled={})
+        pool = self.scheduler.kv.pool
+        for s in out.scheduled:
+            if not s.spec_token_ids:
+                continue
+            r, start, end = s.request, s.start, s.start + s.num_new_tokens
+            assert len(s.block_ids) == cdiv(end, self.bs)
+            context = [self.slots[(s.block_ids[t // self.bs], t % self.bs)] for t in range(start)]
+            assert context == r.all_token_ids[:start], f"{r.request_id}: KV cache holds the wrong tokens"
+            seq = context + r.all_token_ids[start:] + s.spec_token_ids
+            for t in range(start, end):
+                assert pool.blocks[s.block_ids[t // self.bs]].ref_cnt == 1, "writing into a shared block"
+                self.slots[(s.block_ids[t // self.bs], t % self.bs)] = seq[t]
+            accepted: list[int] = []
+            for j, draft in enumerate(s.spec_token_ids + [None]):
+                truth = fake_next(seq[: r.num_tokens + j])
+                accepted.append(truth)
+                if draft != truth:
+                    break
+            result.spec_sampled[r.request_id] = accepted
+        return result
+
+
+def make_spec(**kw: object) -> tuple[Scheduler, FakeSpecRunner]:
+    sched, _ = make(**kw)  # type: ignore[arg-type]
+    return sched, FakeSpecRunner(sched)
+
+
+def fake_next(seq: list[int]) -> int:
+    return sum((t + 1) * tok for t, tok in enumerate(seq)) * 31 % 97
+
+
+def oracle_drafts(request: Request, k: int, wrong_at: int | None) -> list[int]:
+    seq = list(request.all_token_ids)
+    drafts = []
+    for j in range(k):
+        token = fake_next(seq)
+        if j == wrong_at:
+            token = (token + 1) % 97
+        drafts.append(token)
+        seq.append(token)
+    return drafts
+
+
+def _run(sched: Scheduler, runner: FakeRunner, k: int, step_no: list[int]) -> None:
+    while sched.has_unfinished_requests():
+        step_no[0] += 1
+        for r in sched.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                r.spec_token_ids = oracle_drafts(r, k, wrong_at=step_no[0] % (k + 2))
+        out = sched.schedule()
+        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        sched.update_from_output(out, runner.execute(out))
+        sched.kv.check_integrity()
+        for r in sched.running:  # rollback leaves exactly the blocks the computed tokens need
+            assert len(sched.kv.get_block_ids(r.request_id)) == cdiv(r.num_computed_tokens, sched.block_size)
+            assert r.num_computed_tokens == r.num_tokens - 1 or r.num_computed_tokens < r.num_prompt_tokens
+        assert step_no[0] < 10_000
+
+
+@pytest.mark.parametrize("num_blocks", [256, 14])  # 14: preemptions happen
+def test_scheduler_accepts_rolls_back_and_matches_plain_decoding(num_blocks):
+    def requests() -> list[Request]:
+        return [req(f"r{i}", 5 + 7 * i, max_tokens=20 + i) for i in range(6)]
+
+    plain_sched, plain_runner = make_spec(num_blocks=num_blocks, block_size=4, budget=64)
+    plain = requests()
+    for r in plain:
+        plain_sched.add_request(r)
+    _run(plain_sched, plain_runner, 0, [0])
+    sched, runner = make_spec(num_blocks=num_blocks, block_size=4, budget=64)
+    spec = requests()
+    for r in spec:
+        sched.add_request(r)
+    _run(sched, runner, 3, [0])
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
+    assert all(r.num_output_tokens == r.max_tokens for r in spec)  # never past max_tokens
+    assert sched.spec_num_accepted_tokens_total > 0
+    assert sched.spec_num_draft_tokens_total > sched.spec_num_accepted_tokens_total  # some rejected
+    assert sched.kv.num_free_blocks == num_blocks
+    if num_blocks == 14:
+        assert sched.num_preemptions_total > 0
+
+
+def test_prefix_cache_holds_only_accepted_tokens():
+    """A later request whose prompt is an earlier one's prompt + output hits its cached blocks;
+    the fake runner checks every hit block holds exactly those tokens, not stale drafts."""
+    sched, runner = make_spec(block_size=4)
+    first = req("a", 9, max_tokens=30)
+    sched.add_request(first)
+    _run(sched, runner, 4, [0])
+    second = req("b", first.all_token_ids[:-1], max_tokens=3)
+    sched.add_request(second)
+    _run(sched, runner, 0, [0])
+    assert second.num_cached_tokens >= 32
+
+
+def test_drafts_are_capped_by_the_budget_and_dropped_before_anyone_is_preempted():
+    sched, runner = make_spec(num_blocks=3, block_size=4, budget=3)
+    r = req("a", 3, max_tokens=8)
+    sched.add_request(r)
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))  # prefill
+    r.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert out.scheduled[0].spec_token_ids == [1, 2]  # the budget of 3 leaves room for 2 drafts
+    assert r.spec_token_ids == []  # drafts live for one step only
+    sched.update_from_output(out, runner.execute(out))
+    sched.kv.check_integrity()
+
+    sched, runner = make_spec(num_blocks=2, block_size=4, budget=8)
+    r = req("b", 7, max_tokens=2)
+    sched.add_request(r)
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))  # 7 tokens: both blocks
+    r.spec_token_ids = [1]  # position 8 would need a third block
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 1 and out.scheduled[0].spec_token_ids == []
+    assert not out.preempted_request_ids
+
+
+# -- the adaptive rule --
+
+
+def test_adaptive_rule_pauses_a_request_with_poor_acceptance_then_probes_again():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, probe_interval=3, min_acceptance_rate=0.3)
+    sched, runner = make_spec(block_size=4)
+    controller = SpecController(cfg, NgramProposer(cfg))
+    r = req("a", [7, 8, 7, 8, 7, 8, 7], max_tokens=40)  # lookup always proposes; fake model disagrees
+    sched.add_request(r)
+    spec_steps = []
+    for _ in range(16):
+        controller.propose(sched.running)
+        out = sched.schedule()
+        result = runner.execute(out)
+        sched.update_from_output(out, result)
+        controller.observe(out, result)
+        spec_steps.append(bool(out.scheduled[0].spec_token_ids))
+    assert spec_steps[0] is False  # the prefill step
+    # Drafts at steps 1-2 are all rejected; after that the request mostly waits.
+    assert sum(spec_steps) < 8, spec_steps
+    assert spec_steps.count(False) > 8
+
+
+def test_no_speculation_in_large_batches():
+    cfg = SpeculativeConfig(method="ngram", disable_by_batch_size=2)
+    controller = SpecController(cfg, NgramProposer(cfg))
+    running = [req(f"r{i}", [1, 2, 1, 2, 1], max_tokens=10) for i in range(3)]
+    for r in running:
+        r.status = r.status.RUNNING
+        r.num_computed_tokens = r.num_tokens - 1
+    controller.propose(running)
+    assert all(r.spec_token_ids == [] for r in running)
+    controller.propose(running[:2])
+    assert all(r.spec_token_ids for r in running[:2])
+
+
+# -- rejection sampling keeps the target distribution --
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum().item()
+    keep = probs * n >= 5
+    expected = probs[keep] * n
+    stat = (((counts[keep] - expected) ** 2) / expected).sum().item()
+    dof = int(keep.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square upper tail.
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_rejection_sampling_matches_the_target_distribution():
+    vocab, trials = 12, 3000
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 1.5  # rows: after 0, 1 and 2 drafts
+    params = SamplingParams(temperature=0.8, top_k=8, max_tokens=50, seed=123)
+    r = Request("a", [1, 2, 3], params)
+    drafts = [int(logits[0].argmax()), 5]  # a likely first draft, an arbitrary second
+    gens: dict[str, torch.Generator] = {}
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for _ in range(trials):
+        tokens = verify_drafts(logits, [r], [drafts], gens).tokens[0]
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:  # the second token is drawn given the first draft was kept
+            second[tokens[1]] += 1
+    def target(row: int) -> torch.Tensor:
+        z = logits[row] / 0.8
+        z[z < z.topk(8).values[-1]] = float("-inf")
+        return torch.softmax(z, dim=-1)
+
+    assert _chi_square_p(first, target(0)) > 1e-3
+    assert _chi_square_p(second, target(1)) > 1e-3
+    # Seeded: the same seed reproduces the same accept/reject decisions and tokens.
+    again = [verify_drafts(logits, [r], [drafts], {}).tokens[0] for _ in range(2)]
+    assert again[0] == again[1]
+
+
+def test_greedy_verification_takes_the_argmax_and_stops_at_the_first_mismatch():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    r = Request("g", [0], SamplingParams(temperature=0.0))
+    assert verify_drafts(logits, [r], [[1, 0]], {}).tokens == [[1, 0, 2]]  # all accepted + bonus
+    assert verify_drafts(logits, [r], [[1, 2]], {}).tokens == [[1, 0]]  # second draft rejected
+    assert verify_drafts(logits, [r], [[2, 0]], {}).tokens == [[1]]  # first rejected
+    # Penalties count the drafts before each row: after draft 0, token 0 is penalised.
+    logits = torch.tensor([[3.0, 0.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    pen = Request("p", [1], SamplingParams(temperature=0.0, frequency_penalty=2.0))
+    assert verify_drafts(logits, [r], [[0, 0]], {}).tokens == [[0, 0, 2]]
+    assert verify_drafts(logits, [pen], [[0, 0]], {}).tokens == [[0, 2]]
+
+
+def test_draft_budget_gives_one_stream_long_drafts_and_a_big_batch_few():
+    from fornax.spec_decode.controller import plan_drafts
+
+    # Free drafts (n-gram on a GPU-like cost model): everyone gets everything.
+    assert plan_drafts([0.1, 0.9], [4, 4], 2, unit=0.0, row_cost=0.0) == [4, 4]
+    # One stream, good acceptance, rows cost 8% of a step: long drafts.
+    assert plan_drafts([0.8], [4], 1, unit=0.08, row_cost=0.08) == [4]
+    # Poor acceptance: nothing pays.
+    assert plan_drafts([0.05], [4], 1, unit=0.5, row_cost=0.08) == [0]
+    # Eight streams: the step's fixed cost is shared, so only the likeliest drafts pay.
+    counts = plan_drafts([0.9, 0.6, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3], [4] * 8, 8, unit=0.08, row_cost=0.08)
+    assert counts[0] >= counts[1] >= counts[2] and sum(counts) < 16
+    # An expensive draft model in a batch of eight: no speculation at all.
+    assert plan_drafts([0.8] * 8, [3] * 8, 8, unit=0.45, row_cost=0.08) == [0] * 8
