@@ -216,10 +216,11 @@ class EngineConfig:
     quantization: str | None = None
     # int4 beats bf16 per decode step up to ~24-32 rows here (benchmarks/decode_step.py)
     small_step_max_rows: int = 24
-    # "native": decode and short query runs attend with the compiled kernel that reads the
-    # paged cache in place (layers/native.py), falling back to torch ops when it cannot be
-    # built; "torch": always the torch-ops path (gather, then matmuls / SDPA).
-    attention_backend: str = "native"
+    # "native": the compiled kernels (layers/native.py): decode and short query runs attend
+    # over the paged cache in place, and norms, rotary and SiLU*up are one call each; torch
+    # ops are the fallback when they cannot be built. "torch": torch ops only (gather, then
+    # matmuls / SDPA; the reference path).
+    kernel_backend: str = "native"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
@@ -232,8 +233,8 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.small_step_max_rows < 0:
             raise ConfigError("small_step_max_rows must be >= 0")
-        if self.attention_backend not in ("native", "torch"):
-            raise ConfigError(f"attention_backend must be 'native' or 'torch', got {self.attention_backend!r}")
+        if self.kernel_backend not in ("native", "torch"):
+            raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
 
     @property
     def small_step_method(self) -> str | None:

@@ -34,7 +34,7 @@ class LLM:
         *,
         quantization: str | None = None,
         small_step_max_rows: int = 24,
-        attention_backend: str = "native",
+        kernel_backend: str = "native",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
@@ -53,7 +53,7 @@ class LLM:
             dtype=dtype,
             quantization=quantization,
             small_step_max_rows=small_step_max_rows,
-            attention_backend=attention_backend,
+            kernel_backend=kernel_backend,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),

@@ -52,7 +52,7 @@ class EngineCore:
         self.max_model_len = max_len
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks)
         self.runner = ModelRunner(
-            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.attention_backend
+            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.kernel_backend
         )
         self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions

@@ -1,16 +1,20 @@
-"""The one native kernel fornax carries: paged attention read in place (kernels/paged_attention.c).
+"""fornax's native kernels (kernels/*.c): paged attention read in place, and the fused
+elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU * up).
 
-It is plain C with no torch headers, so building it takes about a second with the system C
-compiler (a torch C++ extension needs a minute of header parsing on this machine). It is
-compiled on first use into the fornax cache, keyed by the source, the flags and the CPU
-(`-march=native`), and loaded with ctypes, which releases the GIL for the call. Where no
-compiler is found or the build fails, `load_paged_attention()` returns None and attention
-falls back to the pure-torch path; nothing else changes.
+They are plain C with no torch headers, so building them takes a second or two with the
+system C compiler (a torch C++ extension needs a minute of header parsing on this machine).
+They are compiled on first use into one library in the fornax cache, keyed by the sources,
+the flags and the CPU (`-march=native`), and called through ctypes, which releases the GIL
+for the call. The library links libgomp by soname, so in a process where torch is loaded
+first it shares torch's OpenMP runtime and thread pool (two runtimes would spin against
+each other on 2 cores). Where no compiler is found or the build fails, the loaders return
+None and the layers use torch ops; nothing else changes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -24,11 +28,11 @@ import torch
 
 from fornax.config import fornax_home
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
+KERNEL_DIR = Path(__file__).with_name("kernels")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 
 _lock = threading.Lock()
-_loaded: dict[str, "PagedAttentionKernel | None"] = {}
+_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cpu_signature() -> str:
@@ -42,10 +46,12 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    sources = sorted(KERNEL_DIR.glob("*.c"))
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + _cpu_signature().encode())
+    for path in sorted(KERNEL_DIR.glob("*.[ch]")):
+        digest.update(path.name.encode() + path.read_bytes())
     out_dir = fornax_home() / "kernels"
-    target = out_dir / f"paged_attention-{key}.so"
+    target = out_dir / f"fornax_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +59,8 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -104,19 +111,103 @@ class PagedAttentionKernel:
         return out
 
 
-def load_paged_attention() -> PagedAttentionKernel | None:
-    """The compiled kernel, or None when it cannot be built here (then torch ops are used)."""
+def _row_view_ok(t: torch.Tensor) -> bool:
+    """2-D with contiguous rows (any row stride): a view into a fused projection's output is fine."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+class FusedOps:
+    """ctypes wrappers of kernels/fused_ops.c. Each mirrors one torch expression (see there);
+    callers check `supports(dtype)` and keep the torch form as the fallback."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, lg, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+        self._norm = {torch.float32: lib.rms_norm_f32, torch.bfloat16: lib.rms_norm_bf16}
+        self._rotary = {torch.float32: lib.rotary_f32, torch.bfloat16: lib.rotary_bf16}
+        self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
+        for fn in self._norm.values():
+            fn.restype, fn.argtypes = None, [p, lg, p, lg, p, p, p, i, i, f, i]
+        for fn in self._rotary.values():
+            fn.restype, fn.argtypes = None, [p, lg, i, i, i, p, p, i]
+        for fn in self._silu_mul.values():
+            fn.restype, fn.argtypes = None, [p, lg, p, i, i, i]
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._norm
+
+    def __deepcopy__(self, memo: dict) -> FusedOps:
+        return self  # stateless; a model copy (self-drafting) shares it
+
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(s), s) with s = x + residual when a residual is given, else (norm(x), None).
+        x, residual: [rows, dim]."""
+        rows, dim = x.shape
+        if not _row_view_ok(x) or (residual is not None and (residual.shape != x.shape or not _row_view_ok(residual))):
+            raise ValueError("rms_norm kernel: inputs must be [rows, dim] with contiguous rows")
+        if not weight.is_contiguous() or weight.dtype != x.dtype or weight.numel() != dim:
+            raise ValueError("rms_norm kernel: weight must be a contiguous [dim] of the input's dtype")
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        summed = None if residual is None else torch.empty((rows, dim), dtype=x.dtype)
+        self._norm[x.dtype](
+            x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0), None if summed is None else summed.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out, summed
+
+    def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate, in place, the first num_heads heads of each row of x [rows, >= num_heads * head_dim];
+        cos, sin: [rows, head_dim] contiguous, x's dtype."""
+        rows, head_dim = cos.shape
+        if not _row_view_ok(x) or x.shape[0] != rows or x.shape[1] < num_heads * head_dim:
+            raise ValueError("rotary kernel: x must be [rows, >= num_heads * head_dim] with contiguous rows")
+        if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype):
+            raise ValueError("rotary kernel: cos and sin must be contiguous, in x's dtype")
+        self._rotary[x.dtype](
+            x.data_ptr(), x.stride(0), rows, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up], [rows, 2 * inter] -> [rows, inter]."""
+        rows, width = gate_up.shape
+        if not _row_view_ok(gate_up) or width % 2:
+            raise ValueError("silu_mul kernel: gate_up must be [rows, 2 * inter] with contiguous rows")
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul[gate_up.dtype](
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+
+def _library() -> ctypes.CDLL | None:
     with _lock:
-        if "kernel" not in _loaded:
-            _loaded["kernel"] = _try_load()
-        return _loaded["kernel"]
+        if "lib" not in _loaded:
+            _loaded["lib"] = _try_load()
+        return _loaded["lib"]
 
 
-def _try_load() -> PagedAttentionKernel | None:
+def _try_load() -> ctypes.CDLL | None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     try:
-        return PagedAttentionKernel(ctypes.CDLL(str(_build(compiler))))
+        return ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+@functools.cache
+def load_paged_attention() -> PagedAttentionKernel | None:
+    """The compiled attention kernel, or None when it cannot be built here (then torch ops are used)."""
+    lib = _library()
+    return None if lib is None else PagedAttentionKernel(lib)
+
+
+@functools.cache
+def load_fused_ops() -> FusedOps | None:
+    """The compiled elementwise ops, or None when they cannot be built here."""
+    lib = _library()
+    return None if lib is None else FusedOps(lib)

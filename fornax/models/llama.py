@@ -18,6 +18,7 @@ from torch import nn
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata, paged_attention
 from fornax.layers.linear import Linear
+from fornax.layers.native import FusedOps
 from fornax.layers.norm import RMSNorm
 from fornax.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -56,6 +57,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.fused: FusedOps | None = None  # set by LlamaForCausalLM.use_fused_ops
 
     def forward(
         self,
@@ -66,14 +68,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv], a fresh tensor
+        cos, sin = cos_sin
+        rotate_in_place = self.fused is not None and self.q_norm is None
+        if rotate_in_place:  # Q and K heads are adjacent in each row: one call rotates both
+            self.fused.rotary_(qkv, self.num_heads + self.num_kv_heads, cos[:, 0], sin[:, 0])
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not rotate_in_place:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -84,9 +91,13 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.fused: FusedOps | None = None  # set by LlamaForCausalLM.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -98,9 +109,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, cos_sin, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos_sin, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+        """x: the previous layer's output (its MLP's), residual: the stream before it (None at the
+        first layer). Returns the same pair for the next layer, so that each residual add is
+        fused with the norm that follows it: residual + x is exactly the old `h = x + ...`."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn(h, cos_sin, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,9 +142,16 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
+        return self.norm.add_forward(x, residual)[0]
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run norms, rotary and SiLU*up through the native kernels (None: torch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = ops if ops is not None and ops.supports(self.dtype) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], only for the rows that are sampled."""

@@ -7,6 +7,7 @@ import torch
 
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.native import load_paged_attention
 from fornax.models.llama import KVCache
 from tests.model.tiny_models import build_tiny_model
 
@@ -58,3 +59,16 @@ def test_greedy_matches_transformers(tiny):
         assert out.outputs[0].token_ids == ref, f"{arch}: prompt {prompt[:5]}..."
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_torch_backend_matches_transformers(tiny):
+    """The torch-ops path (no native kernels): the reference the kernels are tested against."""
+    arch, hf, llm = tiny
+    ref_llm = LLM(llm.engine.config.model, dtype="float32", num_blocks=64, kernel_backend="torch", progress=False)
+    assert ref_llm.engine.runner.attention_kernel is None
+    if load_paged_attention() is not None:  # so the other tests here did run the kernels
+        assert llm.engine.runner.attention_kernel is not None
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    native = llm.generate(PROMPTS, params)
+    torch_ops = ref_llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in torch_ops] == [o.outputs[0].token_ids for o in native], arch

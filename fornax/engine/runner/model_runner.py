@@ -16,7 +16,7 @@ from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
 from fornax.layers.attention import SeqSpan, build_attention_metadata
-from fornax.layers.native import load_paged_attention
+from fornax.layers.native import load_fused_ops, load_paged_attention
 from fornax.models.llama import KVCache, LlamaForCausalLM
 
 
@@ -28,12 +28,13 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
-        attention_backend: str = "native",
+        kernel_backend: str = "native",
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype)
-        kernel = load_paged_attention() if attention_backend == "native" else None
+        kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
+        model.use_fused_ops(load_fused_ops() if kernel_backend == "native" else None)
         self.sampler = Sampler()
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.

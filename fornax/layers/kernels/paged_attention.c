@@ -13,126 +13,273 @@
  * keys 0..row_pos[r] (or the last `window` of them). Output rows are contiguous.
  *
  * Math is float32 throughout; bf16 is converted on load and rounded to nearest even on
- * store. Work items are (row, KV-head chunk) pairs (see DEFINE_PAGED_ATTENTION); the query
- * heads that share a KV head are handled together so each K/V row is loaded once for all of
- * them.
+ * store. Work items are (row, KV-head chunk, key part) triples (see DEFINE_PAGED_ATTENTION);
+ * the query heads that share a KV head are handled together so each K/V row is loaded once
+ * for all of them.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+#include "bf16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* The three inner loops, over one head's head_dim values. With AVX-512 (and head_dim a
+ * multiple of 16, true of every supported model) they are written out with intrinsics:
+ * left to the auto-vectorizer inside the macro bodies below they ran ~5x slower. */
+static inline void row_to_f32_bf16(float *dst, const uint16_t *src, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        for (int d = 0; d < n; d += 16) {
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+static inline void row_to_f32_f32(float *dst, const float *src, int n) { memcpy(dst, src, sizeof(float) * n); }
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+#if defined(__AVX512F__)
+    if (n % 32 == 0) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int d = 0; d < n; d += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#endif
+    float s = 0.f;
+    for (int d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
 }
 
-/* One body for both element types: LOAD(ptr, i) -> float, STORE(ptr, i, float). */
-#define LOAD_F32(p, i) ((p)[i])
-#define STORE_F32(p, i, x) ((p)[i] = (x))
-#define LOAD_BF16(p, i) bf16_to_f32((p)[i])
-#define STORE_BF16(p, i, x) ((p)[i] = f32_to_bf16(x))
+/* s[j] = exp(s[j] - max(s)) in place; returns the sum and stores the max in *mx_out. Scalar
+ * expf was most of a long row's time: 9 heads x 2,048 keys of libm calls per layer. */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {
+    /* exp(x) = 2^n * 2^f, n = round(x / ln 2), |f| <= 1/2; 2^f by a degree-6 polynomial
+     * (relative error ~2e-7, below float's own rounding of the softmax that follows). */
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
 
-/* Attention of query row r for KV heads [kvh0, kvh1): all their query heads are scored
- * against each K row in one pass, so a token's K/V row (all heads, contiguous) is read once. */
-#define DEFINE_ROW_ATTENTION(NAME, T, LOAD, STORE)                                               \
-    static int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache, T *out,   \
-                    const int32_t *table, int pos, int first, int r, int kvh0, int kvh1,         \
-                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) { \
+static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
+    float mx = -INFINITY, total = 0.f;
+    int j = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(mv);
+    for (int i = j; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    const __m512 mxv = _mm512_set1_ps(mx);
+    __m512 tv = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mxv));
+        _mm512_storeu_ps(s + j, e);
+        tv = _mm512_add_ps(tv, e);
+    }
+    total = _mm512_reduce_add_ps(tv);
+#else
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    j = 0;
+#endif
+    for (; j < n; j++) { s[j] = expf(s[j] - mx); total += s[j]; }
+    *mx_out = mx;
+    return total;
+}
+
+/* acc[0:head_dim] += sum over t < count of w[t] * v[t * stride : + head_dim]: the keys of one
+ * block run at once, so the accumulator stays in registers across them (an axpy per key
+ * stored and reloaded it every key: a store-to-load chain that dominated the V pass). */
+#if defined(__AVX512F__)
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+#define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
+    static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
+                            int head_dim) {                                                      \
+        if (head_dim % 32 == 0) {                                                                \
+            for (int c = 0; c < head_dim; c += 32) {                                             \
+                __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);        \
+                for (int t = 0; t < count; t++) {                                                \
+                    const __m512 wt = _mm512_set1_ps(w[t]);                                      \
+                    a0 = _mm512_fmadd_ps(wt, LOAD16(v + t * stride + c), a0);                    \
+                    a1 = _mm512_fmadd_ps(wt, LOAD16(v + t * stride + c + 16), a1);               \
+                }                                                                                \
+                _mm512_storeu_ps(acc + c, a0);                                                   \
+                _mm512_storeu_ps(acc + c + 16, a1);                                              \
+            }                                                                                    \
+            return;                                                                              \
+        }                                                                                        \
+        for (int t = 0; t < count; t++)                                                          \
+            for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
+    }
+#else
+#define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
+    static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
+                            int head_dim) {                                                      \
+        for (int t = 0; t < count; t++)                                                          \
+            for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
+    }
+#endif
+DEFINE_PV_TILE(pv_tile_bf16, uint16_t, load16_bf16, LOAD_BF16)
+DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
+
+/* Attention of query row r for KV heads [kvh0, kvh1) over keys [k0, k1): all their query
+ * heads are scored against each K row in one pass, so a token's K/V row is read once. The
+ * result is left unnormalised: per head the running max m, the sum of exp(score - m), and
+ * acc = sum of exp(score - m) * V, so parts of one row's keys can be merged afterwards.
+ * Returns nonzero when out of memory. */
+#define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, PV_TILE)                                                           \
+    static int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache,           \
+                    const int32_t *table, int k0, int k1, int r, int kvh0, int kvh1,             \
+                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,  \
+                    float *m, float *l, float *acc) {                                            \
         const int group = num_heads / num_kv_heads, nh = (kvh1 - kvh0) * group;                  \
-        const int n = pos - first + 1;                                                           \
+        const int n = k1 - k0;                                                                   \
         const long kv_row = (long)num_kv_heads * head_dim, h0 = (long)kvh0 * group;               \
-        float *qf = malloc(sizeof(float) * ((size_t)nh * head_dim * 2 + (size_t)nh * n + head_dim)); \
+        for (int h = 0; h < nh; h++) { m[h] = -INFINITY; l[h] = 0.f; }                           \
+        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                                  \
+        if (n <= 0) return 0;                                                                    \
+        float *qf = malloc(sizeof(float) * ((size_t)nh * head_dim + (size_t)nh * n + head_dim)); \
         if (!qf) return 1;                                                                       \
-        float *acc = qf + (long)nh * head_dim, *scores = acc + (long)nh * head_dim;              \
-        float *kv = scores + (long)nh * n;                                                       \
+        float *scores = qf + (long)nh * head_dim, *kv = scores + (long)nh * n;                   \
         for (int h = 0; h < nh; h++) {                                                           \
             const T *qh = q + r * q_row_stride + (h0 + h) * head_dim;                            \
             for (int d = 0; d < head_dim; d++) qf[(long)h * head_dim + d] = LOAD(qh, d) * scale; \
         }                                                                                        \
-        for (int j = 0; j < n; j++) {                                                            \
-            const int p = first + j;                                                             \
-            const long slot = (long)table[p / block_size] * block_size + p % block_size;         \
+        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; j++) {              \
+            /* slot of key k0 + j, stepped along the block table (no division per key) */      \
+            const long slot = (long)table[blk] * block_size + off;                               \
+            if (++off == block_size) { off = 0; blk++; }                                         \
             for (int kh = kvh0; kh < kvh1; kh++) {                                               \
                 const T *kr = k_cache + slot * kv_row + (long)kh * head_dim;                     \
-                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(kr, d);                         \
+                TO_F32(kv, kr, head_dim);                                                        \
                 for (int g = 0; g < group; g++) {                                                \
                     const int h = (kh - kvh0) * group + g;                                       \
-                    const float *qh = qf + (long)h * head_dim;                                   \
-                    float s = 0.f;                                                               \
-                    _Pragma("omp simd reduction(+ : s)")                                         \
-                    for (int d = 0; d < head_dim; d++) s += qh[d] * kv[d];                       \
-                    scores[(long)h * n + j] = s;                                                 \
+                    scores[(long)h * n + j] = dot_f32(qf + (long)h * head_dim, kv, head_dim);    \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
-        for (int h = 0; h < nh; h++) {                                                           \
-            float *sh = scores + (long)h * n, mx = -INFINITY, total = 0.f;                       \
-            for (int j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;                            \
-            for (int j = 0; j < n; j++) { sh[j] = expf(sh[j] - mx); total += sh[j]; }            \
-            const float inv = 1.f / total;                                                       \
-            for (int j = 0; j < n; j++) sh[j] *= inv;                                            \
-            memset(acc + (long)h * head_dim, 0, sizeof(float) * head_dim);                       \
-        }                                                                                        \
-        for (int j = 0; j < n; j++) {                                                            \
-            const int p = first + j;                                                             \
-            const long slot = (long)table[p / block_size] * block_size + p % block_size;         \
+        for (int h = 0; h < nh; h++) l[h] = exp_shifted_sum(scores + (long)h * n, n, m + h);     \
+        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; blk++, off = 0) {  \
+            /* one run of keys that sit in consecutive slots of one block */                     \
+            const int run = block_size - off < n - j ? block_size - off : n - j;                 \
+            const long slot = (long)table[blk] * block_size + off;                               \
             for (int kh = kvh0; kh < kvh1; kh++) {                                               \
                 const T *vr = v_cache + slot * kv_row + (long)kh * head_dim;                     \
-                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(vr, d);                         \
                 for (int g = 0; g < group; g++) {                                                \
                     const int h = (kh - kvh0) * group + g;                                       \
-                    const float w = scores[(long)h * n + j];                                     \
-                    float *ah = acc + (long)h * head_dim;                                        \
-                    for (int d = 0; d < head_dim; d++) ah[d] += w * kv[d];                       \
+                    PV_TILE(acc + (long)h * head_dim, scores + (long)h * n + j, vr, kv_row, run, head_dim); \
                 }                                                                                \
             }                                                                                    \
-        }                                                                                        \
-        for (int h = 0; h < nh; h++) {                                                           \
-            T *o = out + ((long)r * num_heads + h0 + h) * head_dim;                              \
-            for (int d = 0; d < head_dim; d++) STORE(o, d, acc[(long)h * head_dim + d]);         \
+            j += run;                                                                            \
         }                                                                                        \
         free(qf);                                                                                \
         return 0;                                                                                \
     }
 
-/* Work is split into (row, KV-head chunk) items: whole rows when there are enough rows to
- * keep every thread busy (contiguous reads), single KV heads otherwise (a lone decode still
- * uses all threads). */
-#define DEFINE_PAGED_ATTENTION(NAME, ROW, T)                                                     \
+/* Work items are (row, KV-head chunk, key part) triples. Whole rows when there are enough
+ * rows to keep every thread busy. With few rows, a long one is split into parts of at least
+ * MIN_PART_KEYS keys (all heads: whole K/V rows, read sequentially), merged in a second pass
+ * (split-K, as in flash-decoding), so one long request still uses every core evenly; a
+ * short one is split by KV head. */
+#define MIN_PART_KEYS 256
+#define DEFINE_PAGED_ATTENTION(NAME, PART, T, STORE)                                             \
     int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache, T *out,          \
              const int32_t *block_tables, int max_blocks, const int32_t *row_seq,                \
              const int32_t *row_pos, int num_rows, int num_heads, int num_kv_heads,              \
              int head_dim, int block_size, float scale, int window, int num_threads) {           \
-        if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 1;                             \
-        const int chunk = num_rows >= 2 * num_threads ? num_kv_heads : 1;                        \
-        const int per_row = num_kv_heads / chunk;                                                \
-        const long num_items = (long)num_rows * per_row;                                         \
+        if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_rows <= 0) return num_rows < 0; \
+        int longest = 0;                                                                         \
+        for (int r = 0; r < num_rows; r++) longest = row_pos[r] + 1 > longest ? row_pos[r] + 1 : longest; \
+        if (window > 0 && longest > window) longest = window;                                    \
+        /* Few rows: split long ones by keys (whole K/V rows, read sequentially), short ones by \
+         * KV head; enough rows: one item per row. */                                           \
+        const int few = num_rows < 2 * num_threads, split_keys = few && longest >= 2 * MIN_PART_KEYS; \
+        const int chunk = few && !split_keys ? 1 : num_kv_heads;                                 \
+        const int per_row = num_kv_heads / chunk, group = num_heads / num_kv_heads;              \
+        const int nh = chunk * group, stride = nh * (head_dim + 2);                              \
+        const long base = (long)num_rows * per_row;                                              \
+        int parts = 1;                                                                           \
+        if (split_keys) {                                                                        \
+            parts = (4 * num_threads + num_rows - 1) / num_rows;                                 \
+            if (parts > longest / MIN_PART_KEYS) parts = longest / MIN_PART_KEYS;                \
+        }                                                                                        \
+        const long num_items = base * parts;                                                     \
+        float *scratch = malloc(sizeof(float) * (size_t)num_items * stride);                     \
+        if (!scratch) return 2;                                                                  \
         int failed = 0;                                                                          \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)") \
         for (long item = 0; item < num_items; item++) {                                          \
-            const int r = (int)(item / per_row), kvh0 = (int)(item % per_row) * chunk;          \
+            const long unit = item / parts;                                                      \
+            const int part = (int)(item % parts);                                                \
+            const int r = (int)(unit / per_row), kvh0 = (int)(unit % per_row) * chunk;           \
             const int pos = row_pos[r];                                                          \
             const int first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;       \
-            const int32_t *table = block_tables + (long)row_seq[r] * max_blocks;                 \
-            if (ROW(q, q_row_stride, k_cache, v_cache, out, table, pos, first, r, kvh0,          \
-                    kvh0 + chunk, num_heads, num_kv_heads, head_dim, block_size, scale))         \
+            const int n = pos - first + 1;                                                       \
+            const int k0 = first + (int)((long)n * part / parts);                                \
+            const int k1 = first + (int)((long)n * (part + 1) / parts);                          \
+            float *m = scratch + item * stride, *l = m + nh, *acc = l + nh;                      \
+            if (PART(q, q_row_stride, k_cache, v_cache, block_tables + (long)row_seq[r] * max_blocks, \
+                     k0, k1, r, kvh0, kvh0 + chunk, num_heads, num_kv_heads, head_dim,           \
+                     block_size, scale, m, l, acc))                                              \
                 failed = 1;                                                                      \
         }                                                                                        \
+        if (!failed) {                                                                           \
+            _Pragma("omp parallel for num_threads(num_threads) if (base * nh >= 64)")            \
+            for (long unit = 0; unit < base; unit++) {                                           \
+                const int r = (int)(unit / per_row), kvh0 = (int)(unit % per_row) * chunk;      \
+                const float *first_part = scratch + unit * parts * stride;                       \
+                for (int h = 0; h < nh; h++) {                                                   \
+                    float mx = -INFINITY, total = 0.f;                                           \
+                    for (int p = 0; p < parts; p++) {                                            \
+                        const float mp = first_part[p * stride + h];                             \
+                        mx = mp > mx ? mp : mx;                                                  \
+                    }                                                                            \
+                    float w[parts];                                                              \
+                    for (int p = 0; p < parts; p++) {                                            \
+                        const float *mp = first_part + p * stride;                               \
+                        w[p] = mp[h] == -INFINITY ? 0.f : expf(mp[h] - mx);                      \
+                        total += w[p] * mp[nh + h];                                              \
+                    }                                                                            \
+                    const float inv = 1.f / total;                                               \
+                    T *o = out + ((long)r * num_heads + (long)kvh0 * group + h) * head_dim;      \
+                    for (int d = 0; d < head_dim; d++) {                                         \
+                        float v = 0.f;                                                           \
+                        for (int p = 0; p < parts; p++)                                          \
+                            v += w[p] * first_part[p * stride + 2 * nh + (long)h * head_dim + d]; \
+                        STORE(o, d, v * inv);                                                    \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        free(scratch);                                                                           \
         return failed ? 2 : 0;                                                                   \
     }
 
-DEFINE_ROW_ATTENTION(row_attention_f32, float, LOAD_F32, STORE_F32)
-DEFINE_ROW_ATTENTION(row_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, row_attention_f32, float)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, row_attention_bf16, uint16_t)
+DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, pv_tile_f32)
+DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, pv_tile_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, row_part_f32, float, STORE_F32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, row_part_bf16, uint16_t, STORE_BF16)

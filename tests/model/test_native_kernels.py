@@ -1,9 +1,15 @@
-"""The native paged-attention kernel against the pure-torch path on the same paged cache.
+"""The native kernels against the pure-torch paths they replace.
+
+Paged attention, on the same paged cache:
 
 Both paths see one step mixing lone decodes, short verification runs (several new tokens)
 and a long prefill chunk over a cached prefix, with block tables scattered over the pool,
 grouped-query heads and, in one case, a sliding window. The torch path is itself checked
 against HF transformers by the model tests, so agreement here carries that over.
+
+Fused ops (RMSNorm with the residual add, rotary in place, SiLU * up): against the torch
+expressions in layers/norm.py, layers/rotary.py and models/llama.py, on strided row views
+like the fused projections produce.
 """
 
 from __future__ import annotations
@@ -12,11 +18,15 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fornax.layers.attention import KERNEL_MAX_QUERIES, SeqSpan, build_attention_metadata, paged_attention
-from fornax.layers.native import load_paged_attention
+from fornax.layers.native import load_fused_ops, load_paged_attention
+from fornax.layers.norm import RMSNorm
+from fornax.layers.rotary import RotaryEmbedding, apply_rotary
 
 KERNEL = load_paged_attention()
+FUSED = load_fused_ops()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel cannot be built here")
 
 BLOCK = 16
@@ -90,3 +100,71 @@ def test_kernel_rejects_wrong_index_dtype():
     kr = meta.kernel_rows
     with pytest.raises(ValueError, match="int32"):
         KERNEL(q, ck, cv, kr.block_tables.long(), kr.row_seq, kr.row_pos, BLOCK, 1.0, None)
+
+
+# -- fused elementwise ops --
+
+# bf16: the kernels round where torch rounds, so results agree to the last bit except where
+# float32 sums are reassociated (the norm's mean): at most one bf16 ulp, rarely.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _strided_rows(rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[rows, dim] view with a row stride wider than dim, as a slice of a fused projection."""
+    wide = torch.randn(rows, dim + 40, generator=torch.Generator().manual_seed(seed)) * 3
+    return wide.to(dtype)[:, 8 : 8 + dim]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37])  # one thread / the parallel loop
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    norm = RMSNorm(576, 1e-5, dtype)
+    norm.weight.copy_(torch.rand(576) + 0.5)
+    x, residual = _strided_rows(rows, 576, dtype, 0), _strided_rows(rows, 576, dtype, 1)
+    ref_out, ref_sum = norm(x), None
+    ref_add_out, ref_sum = norm.add_forward(x, residual)
+    norm.fused = FUSED
+    out = norm(x)
+    add_out, summed = norm.add_forward(x, residual)
+    assert torch.equal(summed, ref_sum)  # the add rounds exactly like torch's
+    assert (out.float() - ref_out.float()).abs().max().item() <= TOL[dtype] * ref_out.float().abs().max().item()
+    assert (add_out.float() - ref_add_out.float()).abs().max().item() <= TOL[dtype] * ref_add_out.float().abs().max().item()
+    assert norm.add_forward(x, None)[1] is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_rotary_in_place_matches_apply_rotary(dtype, rows):
+    heads, kv_heads, dim = HEADS, KV_HEADS, DIM
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    rope = RotaryEmbedding(dim, 4096, 10000.0, None)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(6)), dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    ref_q = apply_rotary(q.reshape(rows, heads, dim), cos, sin)
+    ref_k = apply_rotary(k.reshape(rows, kv_heads, dim), cos, sin)
+    v_before = v.clone()
+    FUSED.rotary_(qkv, heads + kv_heads, cos[:, 0], sin[:, 0])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    tol = 1e-6 if dtype == torch.float32 else 0.0  # bf16: every rounding step reproduced
+    assert (q.reshape(rows, heads, dim).float() - ref_q.float()).abs().max().item() <= tol
+    assert (k.reshape(rows, kv_heads, dim).float() - ref_k.float()).abs().max().item() <= tol
+    assert torch.equal(v, v_before)  # V heads are left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul_matches_torch(dtype, rows):
+    gate_up = _strided_rows(rows, 2 * 1536, dtype, 7)
+    gate, up = gate_up.split(1536, dim=-1)
+    ref = F.silu(gate) * up
+    out = FUSED.silu_mul(gate_up)
+    assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype] * ref.float().abs().max().item()
+
+
+def test_fused_ops_reject_bad_layouts():
+    with pytest.raises(ValueError, match="contiguous rows"):
+        FUSED.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        FUSED.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        FUSED.silu_mul(torch.randn(4, 7))
