@@ -1,4 +1,4 @@
-"""Offline throughput: fornax's continuous batching against HF transformers' static batches.
+"""Offline speed: fornax (each weight form) against HF transformers, in one run.
 
 One seeded workload (prompts of real-ish English text, 32-512 tokens; outputs 64-256 tokens,
 EOS ignored) goes through both engines in bf16 on the same GGUF:
@@ -9,10 +9,13 @@ EOS ignored) goes through both engines in bf16 on the same GGUF:
            short request's extra tokens are wasted work. Only the tokens each request asked
            for count as useful output.
 
-Then single-stream decode speed: one 128-token prompt, 128 new tokens, prefill excluded.
+Then, for each engine and weight form (--quantization, e.g. none,int8,int4,auto):
+  single-stream decode: one 128-token prompt, 128 new tokens, prefill excluded;
+  long-context decode: the same after a 2,000-token prompt (fornax only);
+  prefill: a lone 512-token prompt, time to its first token (median of 3 fresh prompts).
 
     python benchmarks/offline_throughput.py --quick
-    python benchmarks/offline_throughput.py --num-prompts 64 --json out.json
+    python benchmarks/offline_throughput.py --quantization none,int8,int4 --json out.json
 
 This is a measurement script, not a test. Quote ratios, not absolute numbers: the machine
 is shared and its speed varies from run to run.
@@ -24,6 +27,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -122,6 +126,15 @@ def fornax_single_stream(llm: LLM, prompt: list[int], new_tokens: int) -> float:
     return (len(out.outputs[0].token_ids) - 1) / out.timings["decode_s"]
 
 
+def fornax_prefill(llm: LLM, prompts: list[list[int]]) -> float:
+    """Prompt tok/s of a lone prompt (median over distinct prompts, so no prefix-cache hits)."""
+    rates = []
+    for p in prompts:
+        out = llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+        rates.append(len(p) / out.timings["prefill_s"])
+    return statistics.median(rates)
+
+
 # -- HF transformers --
 
 
@@ -167,6 +180,16 @@ def run_hf(model, work: Workload, batch_size: int, pad_id: int) -> Result:
     return Result("hf", seconds, work.output_tokens, work.prompt_tokens, generated)
 
 
+def hf_prefill(model, prompts: list[list[int]], pad_id: int) -> float:
+    """Prompt tok/s: generate() of one token, which is the prefill plus one sampling step."""
+    rates = []
+    for p in prompts:
+        start = time.perf_counter()
+        _hf_generate(model, [p], 1, pad_id)
+        rates.append(len(p) / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def hf_single_stream(model, prompt: list[int], new_tokens: int, pad_id: int) -> float:
     """Decode tok/s: (time for N tokens - time for 1 token, i.e. the prefill) over N - 1 tokens."""
     start = time.perf_counter()
@@ -181,29 +204,28 @@ def hf_single_stream(model, prompt: list[int], new_tokens: int, pad_id: int) -> 
 # -- report --
 
 
-def print_table(
-    work: Workload, fornax: Result, hf: Result | None, single: dict[str, float], single_tokens: int
-) -> None:
+def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float]]]) -> None:
     print()
     print(f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, "
           f"{work.output_tokens} requested output tokens (EOS ignored)")  # fmt: skip
-    header = (f"{'engine':<8} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12} "
-              f"{'generated':>10} {'wasted':>7}")  # fmt: skip
+    header = (f"{'engine':<14} {'batch out tok/s':>15} {'total tok/s':>12} {'wasted':>7} {'decode 1x':>10} "
+              f"{'decode @2k':>11} {'2k slowdown':>12} {'prefill 512':>12}")  # fmt: skip
     print(header)
     print("-" * len(header))
-    for r in [fornax] + ([hf] if hf else []):
+    for name, r, single in results:
         wasted = 1 - r.useful_output_tokens / r.generated_tokens
-        print(f"{r.engine:<8} {r.seconds:>9.2f} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
-              f"{r.generated_tokens:>10} {wasted:>6.0%}")  # fmt: skip
+        long = single.get("decode_2k")
+        slow = f"{single['decode'] / long:>11.2f}x" if long else f"{'-':>12}"
+        print(f"{name:<14} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} {single['decode']:>10.1f} "
+              f"{long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
+    hf = next((x for x in results if x[0] == "hf"), None)
     if hf:
-        print(f"fornax / hf: output x{fornax.output_tok_s / hf.output_tok_s:.2f}, "
-              f"total x{fornax.total_tok_s / hf.total_tok_s:.2f}")  # fmt: skip
-    print()
-    print(f"single-stream decode (128-token prompt, {single_tokens} new tokens, prefill excluded):")
-    for name, value in single.items():
-        print(f"  {name:<8} {value:>8.1f} tok/s")
-    if "hf" in single:
-        print(f"  fornax / hf: x{single['fornax'] / single['hf']:.2f}")
+        print()
+        print("ratios to HF transformers (batch output tok/s, single-stream decode, prefill):")
+        for name, r, single in results:
+            if name != "hf":
+                print(f"  {name:<14} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
+                      f"x{single['decode'] / hf[2]['decode']:.2f}  x{single['prefill'] / hf[2]['prefill']:.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,43 +236,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 12 requests instead of 64")
     ap.add_argument("--skip-hf", action="store_true", help="measure fornax only")
-    ap.add_argument("--quantization", choices=["int8", "int4"], default=None,
-                    help="fornax's weight form for small (decode) steps; default: dense bf16")  # fmt: skip
+    ap.add_argument("--quantization", default="none,int4",
+                    help="fornax weight forms for small (decode) steps, comma-separated: none,int8,int4,auto")  # fmt: skip
+    ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
     num_prompts = args.num_prompts or (12 if args.quick else 64)
-    output_range = (64, 256)
     single_tokens = 128
     gguf = Path(args.model) if args.model.endswith(".gguf") else resolve_model(args.model).gguf_path
     assert gguf is not None, f"{args.model} does not resolve to a GGUF file"
 
-    llm = LLM(str(gguf), dtype="bfloat16", quantization=args.quantization, progress=False)
-    tok = llm.get_tokenizer()
-    work = build_workload(tok, num_prompts, args.seed, (32, 512), output_range)
-    single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]
-    print(f"fornax: {num_prompts} requests ...", flush=True)
-    fornax = run_fornax(llm, work)
-    single = {"fornax": fornax_single_stream(llm, single_prompt, single_tokens)}
-    del llm
-    gc.collect()
+    results: list[tuple[str, Result, dict[str, float]]] = []
+    work = None
+    for form in args.quantization.split(","):
+        quant = None if form == "none" else form
+        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, kernel_backend=args.kernel_backend, progress=False)
+        tok = llm.get_tokenizer()
+        work = build_workload(tok, num_prompts, args.seed, (32, 512), (64, 256))
+        single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]
+        long_prompt = build_workload(tok, 1, args.seed + 2, (2000, 2000), (1, 1)).prompts[0]
+        prefill_prompts = build_workload(tok, 3, args.seed + 3, (512, 512), (1, 1)).prompts
+        name = f"fornax {form}"
+        print(f"{name}: {num_prompts} requests ...", flush=True)
+        result = run_fornax(llm, work)
+        single = {
+            "decode": fornax_single_stream(llm, single_prompt, single_tokens),
+            "decode_2k": fornax_single_stream(llm, long_prompt, single_tokens),
+            "prefill": fornax_prefill(llm, prefill_prompts),
+        }
+        results.append((name, result, single))
+        del llm
+        gc.collect()
 
-    hf = None
+    assert work is not None
     if not args.skip_hf:
         print(f"hf transformers: batches of {args.hf_batch_size} ...", flush=True)
         model = load_hf(gguf)
         pad_id = int(next(iter(tok.eos_token_ids)))  # masked out; any id works
         hf = run_hf(model, work, args.hf_batch_size, pad_id)
-        single["hf"] = hf_single_stream(model, single_prompt, single_tokens, pad_id)
+        single = {
+            "decode": hf_single_stream(model, single_prompt, single_tokens, pad_id),
+            "prefill": hf_prefill(model, prefill_prompts, pad_id),
+        }
+        results.append(("hf", hf, single))
 
-    print_table(work, fornax, hf, single, single_tokens)
+    print_table(work, results)
     if args.json:
         report = {
             "num_prompts": num_prompts, "seed": args.seed, "quick": args.quick,
-            "quantization": args.quantization,
             "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens,
-            "fornax": asdict(fornax), "hf": asdict(hf) if hf else None,
-            "single_stream_decode_tok_s": single, "single_stream_new_tokens": single_tokens,
+            "single_stream_new_tokens": single_tokens,
+            "results": [{"engine": n, "batch": asdict(r), **single} for n, r, single in results],
         }  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2))
     return 0

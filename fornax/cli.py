@@ -28,8 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantized kernels for small (decode) steps; default: dense weights")  # fmt: skip
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "auto"],
+                   help="weight-only quantized kernels for small (decode) steps (auto: the GGUF's own); default: dense")  # fmt: skip
     p.add_argument("--small-step-max-rows", type=int, default=24,
                    help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
     p.add_argument("--kernel-backend", default="native", choices=["native", "torch"],

@@ -212,7 +212,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     # Weight form for steps of at most `small_step_max_rows` tokens (decode-heavy steps):
     # None keeps the dense weights everywhere (exact); "int8"/"int4" use weight-only
-    # quantized kernels there. Larger steps always use the dense weights (bf16 wins there).
+    # quantized kernels there; "auto": what the GGUF file carries (its own Q4 blocks become
+    # int4, 5-8-bit types int8, float tensors stay dense; models/__init__.py). Larger steps
+    # always use the dense weights (bf16 wins there).
     quantization: str | None = None
     # int4 beats bf16 per decode step up to ~24-32 rows here (benchmarks/decode_step.py)
     small_step_max_rows: int = 24
@@ -229,8 +231,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "auto"):
+            raise ConfigError(f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}")
         if self.small_step_max_rows < 0:
             raise ConfigError("small_step_max_rows must be >= 0")
         if self.kernel_backend not in ("native", "torch"):

@@ -56,6 +56,14 @@ class Int4Grouped:
         q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
         self.init_packed(q.view(out_f, in_f), scale, lo + 8.0 * scale, group_size)
 
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Grouped:
+        """From a quantization done elsewhere (a GGUF file's Q4 blocks): q [out, in] in [0, 15],
+        w = (q - 8) * scale + zero per group. The scales are stored in bf16, as the kernel reads them."""
+        self = cls.__new__(cls)
+        self.init_packed(q.to(torch.int32), scale.float(), zero.float(), group_size)
+        return self
+
     def init_packed(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
         """q: [out, in] int32 in [0, 15]; scale, zero: [out, groups]."""
         self.group_size = group_size

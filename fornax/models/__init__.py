@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
-from fornax.layers.linear import Linear
+from fornax.layers.linear import Int4Grouped, Linear
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
@@ -35,9 +35,11 @@ class LoadedModel:
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
 
 
-def load_weights(resolved: ResolvedModel, dtype: torch.dtype, progress: bool = True) -> LoadedWeights:
+def load_weights(
+    resolved: ResolvedModel, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False
+) -> LoadedWeights:
     if resolved.gguf_path is not None:
-        return load_gguf(resolved.gguf_path, dtype, progress)
+        return load_gguf(resolved.gguf_path, dtype, progress, keep_int4_blocks)
     assert resolved.hf_dir is not None
     return load_hf_dir(resolved.hf_dir, dtype, progress)
 
@@ -51,7 +53,8 @@ def load_model(
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
-    weights = load_weights(resolved, torch_dtype, progress)
+    auto = small_step is not None and small_step[0] == "auto"
+    weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto)
     cls = ARCHITECTURES[weights.config.architecture]
     # Build on the meta device: no time spent initialising weights that are overwritten.
     with torch.device("meta"):
@@ -67,10 +70,40 @@ def load_model(
         model.load_weights(weights.tensors)
     model.eval()
     if small_step is not None and small_step[1] > 0:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.set_small_step_method(*small_step)
+        if auto:
+            set_small_step_from_file(model, weights, small_step[1])
+        else:
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.set_small_step_method(*small_step)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
+
+
+def set_small_step_from_file(model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int) -> dict[str, int]:
+    """quantization="auto": each Linear's small-step form is what its GGUF tensors carry.
+
+    Q4_0/Q4_1 tensors become int4 from the file's own blocks (its 4-bit values and per-block
+    scales, only the scales rounded to bf16), so no second rounding of the weights; other
+    quantized types are requantized to the int form of at least their precision; float
+    tensors (and HF directories) keep the dense weights alone. Returns a count per form."""
+    counts: dict[str, int] = {}
+    for linear, names in model.linear_sources():
+        kinds = {weights.file_quantization.get(n) for n in names}
+        if all(n in weights.int4_blocks for n in names):
+            blocks = [weights.int4_blocks[n] for n in names]
+            sizes = {b.group_size for b in blocks}
+            assert len(sizes) == 1
+            cat = [torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "zero")]
+            linear.small, linear.small_max_rows = Int4Grouped.from_blocks(*cat, sizes.pop()), max_rows
+            kind = "int4 (file blocks)"
+        elif None not in kinds:  # quantized in the file, in some other form
+            kind = "int8" if "int8" in kinds else "int4"
+            linear.set_small_step_method(kind, max_rows)
+        else:
+            kind = "dense"
+        counts[kind] = counts.get(kind, 0) + 1
+    weights.int4_blocks.clear()  # the packed forms hold what is needed
+    return counts
 
 
 __all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "ModelSourceError", "load_model", "resolve_model"]

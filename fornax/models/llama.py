@@ -147,6 +147,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
         return self.norm.add_forward(x, residual)[0]
 
+    def linear_sources(self) -> list[tuple[Linear, list[str]]]:
+        """Each Linear with the HF tensor names fused into it (the order of load_weights)."""
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        out: list[tuple[Linear, list[str]]] = [(self.lm_head, [head])]
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            out.append((attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
+            out.append((attn.o_proj, [p + "self_attn.o_proj.weight"]))
+            out.append((mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
+        return out
+
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, rotary and SiLU*up through the native kernels (None: torch ops)."""
         for module in self.modules():

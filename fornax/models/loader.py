@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,26 @@ class ModelLoadError(Exception):
 
 
 @dataclass
+class Int4Blocks:
+    """A GGUF Q4_0 / Q4_1 tensor's own quantization, unpacked: w = (q - 8) * scale + zero per
+    block of 32 input values (Q4_1 stores w = q * d + m: scale = d, zero = m + 8 d; Q4_0
+    stores w = (q - 8) * d: zero = 0). That is the form torch's int4 CPU kernel computes."""
+
+    q: torch.Tensor  # [out, in] uint8 in [0, 15]
+    scale: torch.Tensor  # [out, in / 32] float32
+    zero: torch.Tensor  # [out, in / 32] float32
+    group_size: int = 32
+
+
+@dataclass
 class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # HF names -> tensors in the requested dtype
     metadata: dict[str, Any]  # GGUF key/values (tokenizer, chat template); {} for HF dirs
+    # GGUF only: the file's own quantization of each tensor, by HF name ("int4": Q4_0/Q4_1
+    # blocks, "int8": Q8_0), so `quantization="auto"` can use what the file carries.
+    file_quantization: dict[str, str] = field(default_factory=dict)
+    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)  # only when asked for
 
 
 def read_gguf(path: Path) -> GGUFFile:
@@ -141,7 +157,32 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWeights:
+# The small-step form that keeps a GGUF tensor's precision: 4-bit types -> int4, 5- to 8-bit
+# types -> int8. Q4_0/Q4_1 map onto torch's int4 layout block for block (Int4Blocks).
+_FILE_QUANTIZATION = {
+    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
+    "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8",
+}  # fmt: skip
+
+
+def _q4_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of packed Q4_0 / Q4_1 blocks -> (q [rows, cols] uint8, scale, zero [rows, cols / 32]).
+
+    A block is an f16 scale d (Q4_1: then an f16 minimum m) and 16 bytes holding 32 4-bit
+    values: the low nibbles are elements 0-15, the high nibbles elements 16-31 (ggml's layout)."""
+    header = 4 if type_name == "Q4_1" else 2
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, header + 16)
+    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
+    packed = blocks[..., header:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    if type_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+        return q, d, m + 8.0 * d
+    return q, d, np.zeros_like(d)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False) -> LoadedWeights:
     from gguf.quants import dequantize
 
     gguf_file = read_gguf(path)
@@ -155,6 +196,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWe
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]
     tensors: dict[str, torch.Tensor] = {}
+    file_quantization: dict[str, str] = {}
+    int4_blocks: dict[str, Int4Blocks] = {}
     freq_factors: torch.Tensor | None = None
     bar = tqdm(gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
@@ -165,10 +208,21 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWe
         hf_name = _gguf_to_hf_name(t.name)
         if hf_name is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in a {arch} GGUF")
+        heads = None
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, config.num_key_value_heads)
+            heads = config.num_key_value_heads
+        if heads is not None:
+            array = _unpermute_rows(array, heads)
+        if t.type_name in _FILE_QUANTIZATION:
+            file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
+        if keep_int4_blocks and t.type_name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
+            parts = _q4_blocks(t.data, t.type_name)
+            if heads is not None:  # the same row order as the dequantized weight
+                parts = tuple(_unpermute_rows(x, heads) for x in parts)
+            q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)
+            int4_blocks[hf_name] = Int4Blocks(q=q, scale=scale, zero=zero)
         if not array.flags.writeable:  # F32/F16 tensors are read-only views of the file map
             array = array.copy()
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
@@ -178,7 +232,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWe
         scaling = {"rope_type": "freq_factors", "factors": freq_factors.tolist()}
     config = _replace(config, tie_word_embeddings=tied, rope_scaling=scaling)
     _check_tensor_set(config, tensors)
-    return LoadedWeights(config=config, tensors=tensors, metadata=metadata)
+    return LoadedWeights(config, tensors, metadata, file_quantization, int4_blocks)
 
 
 def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
