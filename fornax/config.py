@@ -140,11 +140,13 @@ class SpeculativeConfig:
     # cost and one draft token `draft_cost` (None: the proposer's own estimates, per token and
     # for a draft model's catch-up; 0 for n-gram).
     # row_cost 0.12 is measured here (benchmarks/spec_decode.py): on a CPU every verified row
-    # is real matmul work.
+    # is real matmul work. disable_by_batch_size 4: with the native attention kernels, 8
+    # streams decoded 3-10% slower with n-gram drafts than without, whatever row_cost
+    # (0.12 and 0.3 measured, 2026-12-03), so by default a batch of more than 4 does not speculate.
     min_acceptance_rate: float = 0.2
     acceptance_ema_decay: float = 0.5
     probe_interval: int = 16
-    disable_by_batch_size: int = 32
+    disable_by_batch_size: int = 4
     row_cost: float = 0.12
     draft_cost: float | None = None
 

@@ -1,0 +1,88 @@
+"""Where a decode step's time goes: engine steps under cProfile, grouped by part.
+
+B requests (128-token prompts) are prefilled, then N pure decode steps run under cProfile;
+the time is split by the functions that do each part:
+
+  matmuls          torch's linear / int8 / int4 kernels (the LM head included)
+  attention        the native paged-attention call + writing new K/V into the pool
+  fused ops        RMSNorm (+ residual add), rotary, SiLU * up
+  sampling         the sampler on the step's logits
+  scheduler        schedule() + update_from_output()
+  detokenize       incremental detokenization, stop strings, outputs
+  step metadata    flattening tokens, block tables, attention metadata
+  Python glue      the rest: module calls, views, splits, bookkeeping
+
+cProfile adds a few microseconds to every Python call, so Python-heavy parts read larger
+than they are; the step time printed first is measured without it.
+
+    .venv/bin/python benchmarks/decode_profile.py [--batch 1] [--quantization auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from fornax import LLM, SamplingParams
+
+# (part, [(file suffix, function name)], use cumulative time?)
+PARTS = [
+    ("matmuls", [("~", "<built-in method torch._C._nn.linear>"),
+                 ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
+                 ("~", "<built-in method torch._weight_int8pack_mm>")], False),
+    ("attention", [("layers/native.py", "__call__"), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
+    ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")], True),
+    ("sampling", [("sample/sampler.py", "__call__")], True),
+    ("scheduler", [("engine/scheduler.py", "schedule"), ("engine/scheduler.py", "update_from_output")], True),
+    ("detokenize", [("engine/core.py", "_detokenize"), ("engine/core.py", "_output")], True),
+    ("step metadata", [("layers/attention.py", "build_attention_metadata"),
+                       ("runner/model_runner.py", "_flatten_tokens")], True),
+]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--quantization", default="auto", help="none, int8, int4 or auto")
+    args = ap.parse_args()
+    quant = None if args.quantization == "none" else args.quantization
+    llm = LLM(args.model, quantization=quant, progress=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2 * args.steps + 20, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", [100 + (i * 37 + j) % 5000 for j in range(128)], params)
+    for _ in range(8):  # prefill, then settle into decode
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / args.steps * 1e3
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    profiled = time.perf_counter() - start
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+
+    print(f"batch {args.batch}, weights {args.quantization}: {step_ms:.2f} ms per decode step "
+          f"({args.batch / step_ms * 1e3:.1f} tok/s); under cProfile {profiled / args.steps * 1e3:.2f} ms")  # fmt: skip
+    accounted = 0.0
+    for part, funcs, cumulative in PARTS:
+        total = 0.0
+        for (path, _line, name), (_cc, _nc, tottime, cumtime, _callers) in stats.items():
+            if any(path.endswith(suffix) and name == fn for suffix, fn in funcs):
+                total += cumtime if cumulative else tottime
+        accounted += total
+        print(f"  {part:<14} {total / profiled:>6.1%}")
+    print(f"  {'Python glue':<14} {1 - accounted / profiled:>6.1%}")
+
+
+if __name__ == "__main__":
+    main()
