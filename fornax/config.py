@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 
 def fornax_home() -> Path:
-    """Cache root for fetched models (FORNAX_HOME, default ~/.cache/fornax)."""
+    """Cache root for fetched models and built kernels (FORNAX_HOME, default ~/.cache/fornax)."""
     return Path(os.environ.get("FORNAX_HOME") or Path.home() / ".cache" / "fornax").expanduser()
 
 

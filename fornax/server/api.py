@@ -126,7 +126,7 @@ async def chat_completions(request: Request) -> Response:
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(chat_stream(gen, model, k, text, include_usage))
+        return sse_stream(chat_stream(gen, model, k, text, include_usage))
     await _run(request, gen)
     return _json(chat_completion(gen, model, k, text))
 
@@ -153,7 +153,7 @@ async def completions(request: Request) -> Response:
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(completion_stream(gen, model, k, text, echo, include_usage))
+        return sse_stream(completion_stream(gen, model, k, text, echo, include_usage))
     await _run(request, gen)
     return _json(completion(gen, model, k, text, echo))
 
@@ -203,7 +203,7 @@ class _ClientClosed(ApiError):
         super().__init__(CLIENT_CLOSED, "client closed the request")
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """A stream whose generator is always closed when the response ends: a client that goes
     away while a chunk is being sent would otherwise leave it suspended (and its request
     running) until garbage collection."""
@@ -216,9 +216,11 @@ class _SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def _stream(chunks: Any) -> StreamingResponse:
+def sse_stream(chunks: Any) -> StreamingResponse:
+    """A server-sent-events response over `chunks` (formatted SSE messages); the API routes and
+    the visualizer's event streams share it."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return _SSEResponse(chunks, media_type="text/event-stream", headers=headers)
+    return SSEResponse(chunks, media_type="text/event-stream", headers=headers)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from fornax.engine.async_engine import AsyncEngine
 from fornax.metrics.live import LiveStats
+from fornax.server.api import sse_stream
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.limits import check_messages, parse_model, read_json_body
 from fornax.server.protocol import TokenizeRequest
@@ -133,22 +133,6 @@ def _content_spans(text: str, contents: list[str]) -> list[tuple[int, int]]:
 # ---- event streams -----------------------------------------------------------------------------------
 
 
-class _SSE(StreamingResponse):
-    """An event stream whose generator is always closed, so its bus subscription is released
-    as soon as the client goes away (not at garbage collection)."""
-
-    def __init__(self, chunks: AsyncIterator[str]) -> None:
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-
-    async def stream_response(self, send: Any) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -188,7 +172,7 @@ async def events(request: Request, request_id: str | None = None) -> Response:
         finally:
             sub.close()
 
-    return _SSE(stream())
+    return sse_stream(stream())
 
 
 @router.get("/v1/fornax/live")
@@ -203,7 +187,7 @@ async def live(request: Request, interval: float = 1.0, once: bool = False) -> R
             yield _sse(await _snapshot(engine, stats))
             await asyncio.sleep(interval)
 
-    return _SSE(stream())
+    return sse_stream(stream())
 
 
 async def _snapshot(engine: AsyncEngine, stats: LiveStats) -> dict[str, Any]:
