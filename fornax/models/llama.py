@@ -148,7 +148,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:
-        """Each Linear with the HF tensor names fused into it (the order of load_weights)."""
+        """Each Linear with the HF weight names fused into it, in order (rows concatenated):
+        what load_weights copies, and what quantization="auto" looks up in the file."""
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         out: list[tuple[Linear, list[str]]] = [(self.lm_head, [head])]
         for i, layer in enumerate(self.layers):
@@ -171,27 +172,18 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
-        c = self.config
+        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive (linear_sources)."""
         self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
         self.norm.weight.copy_(tensors["model.norm.weight"])
-        head = tensors["model.embed_tokens.weight"] if c.tie_word_embeddings else tensors["lm_head.weight"]
-        self.lm_head.weight.copy_(head)
+        for linear, names in self.linear_sources():
+            linear.weight.copy_(torch.cat([tensors[n] for n in names], dim=0))
+            if linear.bias is not None:  # Qwen2's QKV bias
+                linear.bias.copy_(torch.cat([tensors[n.removesuffix("weight") + "bias"] for n in names]))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(tensors[p + "post_attention_layernorm.weight"])
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(
-                torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-            )
-            if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-            attn.o_proj.weight.copy_(tensors[p + "self_attn.o_proj.weight"])
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]], dim=0)
-            )
-            layer.mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])
