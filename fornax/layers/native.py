@@ -135,9 +135,6 @@ class FusedOps:
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._norm
 
-    def __deepcopy__(self, memo: dict) -> FusedOps:
-        return self  # stateless; a model copy (self-drafting) shares it
-
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -50,8 +50,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos/sin [num_tokens, 1, head_dim], gathered once per step and shared by all layers."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """Per-token cos/sin [num_tokens, head_dim], gathered once per step and shared by all layers."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

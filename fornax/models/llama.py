@@ -12,15 +12,14 @@ with their positions and the paged-attention metadata built once per step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata, paged_attention
 from fornax.layers.linear import Linear
-from fornax.layers.native import FusedOps
 from fornax.layers.norm import RMSNorm
-from fornax.layers.rotary import RotaryEmbedding, apply_rotary
+from fornax.layers.ops import TORCH_OPS, LayerOps
+from fornax.layers.rotary import RotaryEmbedding
 
 
 class KVCache:
@@ -57,7 +56,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
-        self.fused: FusedOps | None = None  # set by LlamaForCausalLM.use_fused_ops
+        self.ops: LayerOps = TORCH_OPS  # set by LlamaForCausalLM.use_ops
 
     def forward(
         self,
@@ -67,20 +66,17 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv], a fresh tensor
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv], a fresh tensor (rotary may work in place)
         cos, sin = cos_sin
-        rotate_in_place = self.fused is not None and self.q_norm is None
-        if rotate_in_place:  # Q and K heads are adjacent in each row: one call rotates both
-            self.fused.rotary_(qkv, self.num_heads + self.num_kv_heads, cos[:, 0], sin[:, 0])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not rotate_in_place:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.view(t, hkv, d)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before RoPE
+            q = self.ops.rotary_(self.q_norm(q.view(t, h, d)).view(t, -1), h, cos, sin)  # [T, H, D]
+            k = self.ops.rotary_(self.k_norm(k.view(t, hkv, d)).view(t, -1), hkv, cos, sin)  # [T, Hkv, D]
+        else:  # Q and K heads are adjacent in each row: one call rotates both
+            qk = self.ops.rotary_(qkv, h + hkv, cos, sin)  # [T, H + Hkv, D]
+            q, k = qk[:, :h], qk[:, h:]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -88,17 +84,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
-        self.fused: FusedOps | None = None  # set by LlamaForCausalLM.use_fused_ops
+        self.ops: LayerOps = TORCH_OPS  # set by LlamaForCausalLM.use_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused is not None:
-            return self.down_proj(self.fused.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))  # gate_up: [T, 2I]
 
 
 class DecoderLayer(nn.Module):
@@ -161,11 +152,11 @@ class LlamaForCausalLM(nn.Module):
             out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
         return out
 
-    def use_fused_ops(self, ops: FusedOps | None) -> None:
-        """Run norms, rotary and SiLU*up through the native kernels (None: torch ops)."""
+    def use_ops(self, ops: LayerOps) -> None:
+        """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
-                module.fused = ops if ops is not None and ops.supports(self.dtype) else None
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], only for the rows that are sampled."""

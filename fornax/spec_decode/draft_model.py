@@ -21,7 +21,8 @@ from fornax.config import ConfigError, ModelConfig, SpeculativeConfig
 from fornax.engine.kv.manager import KVCacheManager
 from fornax.engine.request import Request
 from fornax.layers.attention import SeqSpan, build_attention_metadata
-from fornax.layers.native import PagedAttentionKernel, load_fused_ops
+from fornax.layers.native import PagedAttentionKernel
+from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.spec_decode import TargetInfo, register_proposer
 
@@ -159,7 +160,7 @@ def _build(config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
     cost = _num_params(draft.model) / _num_params(target.loaded.model)
     kernel = target_kernel(target)
     if kernel is not None:  # the target runs native kernels: so does its draft
-        draft.model.use_fused_ops(load_fused_ops())
+        draft.model.use_ops(layer_ops("native", target.dtype))
     shape = (target.num_blocks, target.block_size, target.dtype)
     return DraftModelProposer(draft.model, draft.config, *shape, kernel, cost, dense_fraction=cost)
 

@@ -8,8 +8,8 @@ grouped-query heads and, in one case, a sliding window. The torch path is itself
 against HF transformers by the model tests, so agreement here carries that over.
 
 Fused ops (RMSNorm with the residual add, rotary in place, SiLU * up): against the torch
-expressions in layers/norm.py, layers/rotary.py and models/llama.py, on strided row views
-like the fused projections produce.
+expressions of layers/ops.py (TorchOps), on strided row views like the fused projections
+produce; and NativeOps hands what its kernels do not cover back to TorchOps.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from fornax.layers.attention import KERNEL_MAX_QUERIES, SeqSpan, build_attention_metadata, paged_attention
 from fornax.layers.native import load_fused_ops, load_paged_attention
 from fornax.layers.norm import RMSNorm
+from fornax.layers.ops import NativeOps, TorchOps
 from fornax.layers.rotary import RotaryEmbedding, apply_rotary
 
 KERNEL = load_paged_attention()
@@ -123,7 +124,7 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     x, residual = _strided_rows(rows, 576, dtype, 0), _strided_rows(rows, 576, dtype, 1)
     ref_out, ref_sum = norm(x), None
     ref_add_out, ref_sum = norm.add_forward(x, residual)
-    norm.fused = FUSED
+    norm.ops = NativeOps(FUSED)
     out = norm(x)
     add_out, summed = norm.add_forward(x, residual)
     assert torch.equal(summed, ref_sum)  # the add rounds exactly like torch's
@@ -140,10 +141,10 @@ def test_rotary_in_place_matches_apply_rotary(dtype, rows):
     rope = RotaryEmbedding(dim, 4096, 10000.0, None)
     cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(6)), dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    ref_q = apply_rotary(q.reshape(rows, heads, dim), cos, sin)
-    ref_k = apply_rotary(k.reshape(rows, kv_heads, dim), cos, sin)
+    ref_q = apply_rotary(q.reshape(rows, heads, dim), cos[:, None], sin[:, None])
+    ref_k = apply_rotary(k.reshape(rows, kv_heads, dim), cos[:, None], sin[:, None])
     v_before = v.clone()
-    FUSED.rotary_(qkv, heads + kv_heads, cos[:, 0], sin[:, 0])
+    FUSED.rotary_(qkv, heads + kv_heads, cos, sin)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     tol = 1e-6 if dtype == torch.float32 else 0.0  # bf16: every rounding step reproduced
     assert (q.reshape(rows, heads, dim).float() - ref_q.float()).abs().max().item() <= tol
@@ -168,3 +169,20 @@ def test_fused_ops_reject_bad_layouts():
         FUSED.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-5)
     with pytest.raises(ValueError, match="2 \\* inter"):
         FUSED.silu_mul(torch.randn(4, 7))
+
+
+def test_native_ops_agree_with_torch_ops_and_fall_back_where_not_covered():
+    native, ref = NativeOps(FUSED), TorchOps()
+    g = torch.Generator().manual_seed(9)
+    w = (torch.rand(DIM, generator=g) + 0.5).bfloat16()
+    per_head = torch.randn(4, HEADS, DIM, generator=g).bfloat16()  # Qwen3's Q/K norms: not rows
+    assert torch.equal(native.rms_norm(per_head, w, 1e-5), ref.rms_norm(per_head, w, 1e-5))
+    half = torch.randn(3, DIM, generator=g).half()  # no fp16 kernel
+    assert torch.equal(native.rms_norm(half, w.half(), 1e-5), ref.rms_norm(half, w.half(), 1e-5))
+    qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * DIM, generator=g).bfloat16()
+    cos, sin = RotaryEmbedding(DIM, 64, 10000.0, None).cos_sin(torch.arange(5) * 7, torch.bfloat16)
+    expected = ref.rotary_(qkv.clone(), HEADS + KV_HEADS, cos, sin)
+    got = native.rotary_(qkv, HEADS + KV_HEADS, cos, sin)
+    assert got.shape == (5, HEADS + KV_HEADS, DIM) and torch.equal(got, expected)
+    gate_up = torch.randn(2, 2 * 96, generator=g).bfloat16()
+    assert (native.silu_mul(gate_up).float() - ref.silu_mul(gate_up).float()).abs().max().item() < 2e-2

@@ -16,7 +16,8 @@ from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
 from fornax.layers.attention import SeqSpan, build_attention_metadata
-from fornax.layers.native import load_fused_ops, load_paged_attention
+from fornax.layers.native import load_paged_attention
+from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
 
 
@@ -34,7 +35,7 @@ class ModelRunner:
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype)
         kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
-        model.use_fused_ops(load_fused_ops() if kernel_backend == "native" else None)
+        model.use_ops(layer_ops(kernel_backend, dtype))
         self.sampler = Sampler()
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.
