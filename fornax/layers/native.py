@@ -21,7 +21,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -30,9 +29,6 @@ from fornax.config import fornax_home
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
-
-_lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cpu_signature() -> str:
@@ -179,11 +175,11 @@ class FusedOps:
         return out
 
 
+@functools.cache
 def _library() -> ctypes.CDLL | None:
-    with _lock:
-        if "lib" not in _loaded:
-            _loaded["lib"] = _try_load()
-        return _loaded["lib"]
+    """Built and loaded once per process. Two threads racing here both build to temporary files
+    and rename atomically (_build), so a race costs a second compile, never a broken library."""
+    return _try_load()
 
 
 def _try_load() -> ctypes.CDLL | None:

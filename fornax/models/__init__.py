@@ -79,31 +79,22 @@ def load_model(
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 
-def set_small_step_from_file(model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int) -> dict[str, int]:
+def set_small_step_from_file(model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int) -> None:
     """quantization="auto": each Linear's small-step form is what its GGUF tensors carry.
 
     Q4_0/Q4_1 tensors become int4 from the file's own blocks (its 4-bit values and per-block
     scales, only the scales rounded to bf16), so no second rounding of the weights; other
     quantized types are requantized to the int form of at least their precision; float
-    tensors (and HF directories) keep the dense weights alone. Returns a count per form."""
-    counts: dict[str, int] = {}
+    tensors (and HF directories) keep the dense weights alone."""
     for linear, names in model.linear_sources():
         kinds = {weights.file_quantization.get(n) for n in names}
         if all(n in weights.int4_blocks for n in names):
-            blocks = [weights.int4_blocks[n] for n in names]
-            sizes = {b.group_size for b in blocks}
-            assert len(sizes) == 1
+            blocks = [weights.int4_blocks[n] for n in names]  # all Q4 blocks: group 32
             cat = [torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "zero")]
-            linear.small, linear.small_max_rows = Int4Grouped.from_blocks(*cat, sizes.pop()), max_rows
-            kind = "int4 (file blocks)"
+            linear.small, linear.small_max_rows = Int4Grouped.from_blocks(*cat, blocks[0].group_size), max_rows
         elif None not in kinds:  # quantized in the file, in some other form
-            kind = "int8" if "int8" in kinds else "int4"
-            linear.set_small_step_method(kind, max_rows)
-        else:
-            kind = "dense"
-        counts[kind] = counts.get(kind, 0) + 1
+            linear.set_small_step_method("int8" if "int8" in kinds else "int4", max_rows)
     weights.int4_blocks.clear()  # the packed forms hold what is needed
-    return counts
 
 
 __all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "ModelSourceError", "load_model", "resolve_model"]

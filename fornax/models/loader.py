@@ -79,8 +79,8 @@ class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # HF names -> tensors in the requested dtype
     metadata: dict[str, Any]  # GGUF key/values (tokenizer, chat template); {} for HF dirs
-    # GGUF only: the file's own quantization of each tensor, by HF name ("int4": Q4_0/Q4_1
-    # blocks, "int8": Q8_0), so `quantization="auto"` can use what the file carries.
+    # GGUF only: the small-step form that keeps each quantized tensor's precision, by HF name
+    # (_FILE_QUANTIZATION), so `quantization="auto"` can use what the file carries.
     file_quantization: dict[str, str] = field(default_factory=dict)
     int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)  # only when asked for
 
