@@ -271,7 +271,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
 
     method = config.small_step_method
     small_step = (method, config.small_step_max_rows) if method else None
-    loaded = load_model(config.model, config.dtype, progress=progress, small_step=small_step)
+    loaded = load_model(
+        config.model, config.dtype, progress=progress, small_step=small_step, kernel_backend=config.kernel_backend
+    )
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
     else:

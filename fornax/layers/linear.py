@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fornax.layers.native import QuantMatmul, load_quant_matmul
+
 
 class LinearMethod(Protocol):
     """A way to compute x W^T for a fixed W."""
@@ -87,7 +89,102 @@ class Int4Grouped:
         return y.to(x.dtype)
 
 
+TILE_ROWS = 4  # kernels/quant_matmul.c ROW_BLOCK: rows stored together, pair by pair
+
+
+def _tile_rows(t: torch.Tensor, pair_width: int) -> torch.Tensor:
+    """[N, K'] -> the kernel's tile order [N / 4, pairs, 4, pair_width] (N padded with zero rows):
+    each tile's rows are read as one forward stream (see kernels/quant_matmul.c)."""
+    n, width = t.shape
+    pad = -n % TILE_ROWS
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, width)])
+    tiles = t.view(-1, TILE_ROWS, width // pair_width, pair_width)
+    return tiles.transpose(1, 2).contiguous()
+
+
+def _untile_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _tile_rows: [N, K'] without the padding rows."""
+    tiles, pairs, rows, pair_width = t.shape
+    return t.transpose(1, 2).reshape(tiles * rows, pairs * pair_width)[:n]
+
+
+class BlockInt4:
+    """Weight-only int4 in blocks of 32, w = d * q + m (llama.cpp's Q4_1), for the native
+    integer kernel (kernels/quant_matmul.c: activations rounded to int8 per block, exact
+    integer dot products). Scales in float16, as the GGUF blocks carry them."""
+
+    def __init__(self, weight: torch.Tensor, kernel: QuantMatmul) -> None:
+        out_f, in_f = weight.shape
+        w = weight.float().view(out_f, in_f // 32, 32)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        d = ((hi - lo) / 15.0).clamp(min=1e-8)
+        q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+        self._init(q.view(out_f, in_f), d, lo, kernel)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: QuantMatmul) -> BlockInt4:
+        """From Int4Blocks' form (w = (q - 8) * scale + zero, group 32): d = scale, m = zero - 8 * scale."""
+        self = cls.__new__(cls)
+        self._init(q.to(torch.uint8), scale.float(), zero.float() - 8.0 * scale.float(), kernel)
+        return self
+
+    def _init(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: QuantMatmul) -> None:
+        out_f, in_f = q.shape
+        pairs = q.view(out_f, in_f // 64, 2, 32)  # two blocks share each byte (see the kernel)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out_f, in_f // 2)
+        self.out_features, self.kernel = out_f, kernel
+        self.packed = _tile_rows(packed, 32)
+        self.d = _tile_rows(d.half(), 2)
+        self.m = torch.cat([m.half(), m.new_zeros(-out_f % TILE_ROWS, m.shape[1]).half()]).contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        packed = _untile_rows(self.packed, self.out_features)
+        out_f, half = packed.shape
+        pairs = packed.view(out_f, half // 32, 1, 32)
+        q = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).reshape(out_f, half // 16, 32).float()
+        d = _untile_rows(self.d, out_f).float()[..., None]
+        return (q * d + self.m[:out_f].float()[..., None]).view(out_f, half * 2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return self.kernel("q4", x, self.packed, self.d, self.m, self.out_features)
+
+
+class BlockInt8:
+    """Weight-only int8, symmetric per block of 32 (llama.cpp's Q8_0), for the native integer
+    kernel; finer than per-channel int8 at the same kernel cost."""
+
+    def __init__(self, weight: torch.Tensor, kernel: QuantMatmul) -> None:
+        out_f, in_f = weight.shape
+        w = weight.float().view(out_f, in_f // 32, 32)
+        d = (w.abs().amax(dim=-1) / 127.0).clamp(min=1e-8)
+        q = torch.round(w / d[..., None]).clamp(-127, 127).to(torch.int8).view(out_f, in_f)
+        self.out_features, self.kernel = out_f, kernel
+        self.qweight, self.d = _tile_rows(q, 64), _tile_rows(d.half(), 2)
+
+    def dequantize(self) -> torch.Tensor:
+        out_f = self.out_features
+        q = _untile_rows(self.qweight, out_f).float()
+        in_f = q.shape[1]
+        d = _untile_rows(self.d, out_f).float()
+        return (q.view(out_f, in_f // 32, 32) * d[..., None]).view(out_f, in_f)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return self.kernel("q8", x, self.qweight, self.d, None, self.out_features)
+
+
 SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
+NATIVE_SMALL_STEP_METHODS: dict[str, type] = {"int8": BlockInt8, "int4": BlockInt4}
+
+
+def native_matmul_for(in_features: int, backend: str) -> QuantMatmul | None:
+    """The native integer kernel when `backend` asks for it, it runs on this CPU, and the
+    width fits its pairs of 32-blocks; None means torch's int8/int4 kernels."""
+    if backend != "native" or in_features % 64:
+        return None
+    return load_quant_matmul()
 
 
 class Linear(nn.Module):
@@ -101,10 +198,17 @@ class Linear(nn.Module):
         self.small: LinearMethod | None = None
         self.small_max_rows = 0
 
-    def set_small_step_method(self, method: str, max_rows: int) -> None:
-        """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest)."""
-        self.small = SMALL_STEP_METHODS[method](self.weight.data)
-        self.small_max_rows = max_rows
+    def set_small_step_method(self, method: str, max_rows: int, backend: str = "native") -> None:
+        """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest):
+        the native integer kernel where it runs (`backend` "native"), else torch's."""
+        kernel = native_matmul_for(self.in_features, backend)
+        if kernel is not None:
+            self.set_small(NATIVE_SMALL_STEP_METHODS[method](self.weight.data, kernel), max_rows)
+        else:
+            self.set_small(SMALL_STEP_METHODS[method](self.weight.data), max_rows)
+
+    def set_small(self, form: LinearMethod, max_rows: int) -> None:
+        self.small, self.small_max_rows = form, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_max_rows:

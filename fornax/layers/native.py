@@ -1,5 +1,6 @@
-"""fornax's native kernels (kernels/*.c): paged attention read in place, and the fused
-elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU * up).
+"""fornax's native kernels (kernels/*.c): paged attention read in place, the fused
+elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU * up),
+weight-only 4/8-bit matmuls on integer dot products, and a whole small step in one call.
 
 They are plain C with no torch headers, so building them takes a second or two with the
 system C compiler (a torch C++ extension needs a minute of header parsing on this machine).
@@ -175,6 +176,105 @@ class FusedOps:
         return out
 
 
+class QuantMatmul:
+    """ctypes wrappers of kernels/quant_matmul.c: y = x W^T for W in 4- or 8-bit blocks of 32
+    (formats there; built by layers/linear.py). Only loaded where the CPU has AVX-512 VNNI."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        self._fns = {
+            ("q4", torch.float32): lib.q4_matmul_f32, ("q4", torch.bfloat16): lib.q4_matmul_bf16,
+            ("q8", torch.float32): lib.q8_matmul_f32, ("q8", torch.bfloat16): lib.q8_matmul_bf16,
+        }  # fmt: skip
+        for fn in self._fns.values():
+            fn.restype, fn.argtypes = ctypes.c_int, [p, lg, i, i, p, p, p, i, p, i]
+
+    MAX_ROWS = 64  # the kernel's limit on activation rows per call (quant_matmul.c MAX_ROWS)
+
+    def __call__(
+        self, fmt: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """y [T, n] = x W^T, x: [T, K] with contiguous rows. W in the kernel's tiles (layers/linear.py
+        BlockInt4 / BlockInt8): fmt "q4": 4-bit pairs, float16 scales and offsets; "q8": int8
+        values, float16 scales, offset None."""
+        rows, k = x.shape
+        if qweight.numel() * (2 if fmt == "q4" else 1) < n * k:
+            raise ValueError("quantized matmul: weight smaller than [n, k]")
+        out = torch.empty((rows, n), dtype=x.dtype)
+        fn, threads = self._fns[(fmt, x.dtype)], torch.get_num_threads()
+        for r0 in range(0, rows, self.MAX_ROWS):  # the kernel takes at most MAX_ROWS rows a call
+            r1 = min(rows, r0 + self.MAX_ROWS)
+            status = fn(
+                x[r0].data_ptr(), x.stride(0), r1 - r0, k, qweight.data_ptr(), scale.data_ptr(),
+                None if offset is None else offset.data_ptr(), n, out[r0].data_ptr(), threads,
+            )  # fmt: skip
+            if status:
+                raise RuntimeError(f"quantized matmul kernel failed (status {status})")
+        return out
+
+
+class QLinearDesc(ctypes.Structure):
+    """kernels/decode_step.c `qlinear`: one quantized projection (m None: Q8)."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int), ("k", ctypes.c_int),
+    ]  # fmt: skip
+
+
+class DecoderLayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+        ("qkv", QLinearDesc), ("o", QLinearDesc), ("gate_up", QLinearDesc), ("down", QLinearDesc),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+class DecoderModelDesc(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.POINTER(DecoderLayerDesc)), ("final_norm", ctypes.c_void_p),
+        ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
+        ("block_size", ctypes.c_int), ("window", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class StepRowsDesc(ctypes.Structure):
+    _fields_ = [
+        ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("row_seq", ctypes.c_void_p),
+        ("row_pos", ctypes.c_void_p), ("rows", ctypes.c_int), ("max_blocks", ctypes.c_int),
+    ]  # fmt: skip
+
+
+class DecodeStepKernel:
+    """kernels/decode_step.c: every layer of a small step in one call. The descriptors hold raw
+    pointers; fornax/models/native_step.py builds them and keeps their tensors alive."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.decode_step_f32, torch.bfloat16: lib.decode_step_bf16}
+        p = ctypes.c_void_p
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(DecoderModelDesc), p, p, p, ctypes.POINTER(StepRowsDesc), p, ctypes.c_int]
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._fns
+
+    def __call__(
+        self, model: DecoderModelDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: StepRowsDesc
+    ) -> torch.Tensor:
+        """x: [rows, hidden] contiguous embeddings; cos, sin: [rows, head_dim] contiguous, x's dtype.
+        Returns the hidden states after the final norm, [rows, hidden]."""
+        out = torch.empty_like(x)
+        status = self._fns[x.dtype](
+            ctypes.byref(model), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), ctypes.byref(rows), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"native decode step failed (status {status})")
+        return out
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Built and loaded once per process. Two threads racing here both build to temporary files
@@ -197,6 +297,24 @@ def load_paged_attention() -> PagedAttentionKernel | None:
     """The compiled attention kernel, or None when it cannot be built here (then torch ops are used)."""
     lib = _library()
     return None if lib is None else PagedAttentionKernel(lib)
+
+
+@functools.cache
+def load_quant_matmul() -> QuantMatmul | None:
+    """The integer-dot-product matmuls, or None where they cannot run here (no VNNI, no compiler)."""
+    lib = _library()
+    if lib is None or not lib.quant_matmul_available():
+        return None
+    return QuantMatmul(lib)
+
+
+@functools.cache
+def load_decode_step() -> DecodeStepKernel | None:
+    """The one-call small step, or None where the integer kernels it uses cannot run here."""
+    lib = _library()
+    if lib is None or not lib.decode_step_available():
+        return None
+    return DecodeStepKernel(lib)
 
 
 @functools.cache

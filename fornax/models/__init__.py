@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
-from fornax.layers.linear import Int4Grouped, Linear
+from fornax.layers.linear import BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
@@ -49,8 +49,11 @@ def load_model(
     dtype: str = "bfloat16",
     progress: bool = True,
     small_step: tuple[str, int] | None = None,
+    kernel_backend: str = "native",
 ) -> LoadedModel:
-    """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError."""
+    """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
+    small_step: (method, max_rows) of the quantized form for small steps; kernel_backend
+    "native" runs it on fornax's integer kernel where this CPU can (layers/linear.py)."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
@@ -71,15 +74,17 @@ def load_model(
     model.eval()
     if small_step is not None and small_step[1] > 0:
         if auto:
-            set_small_step_from_file(model, weights, small_step[1])
+            set_small_step_from_file(model, weights, small_step[1], kernel_backend)
         else:
             for module in model.modules():
                 if isinstance(module, Linear):
-                    module.set_small_step_method(*small_step)
+                    module.set_small_step_method(*small_step, kernel_backend)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 
-def set_small_step_from_file(model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int) -> None:
+def set_small_step_from_file(
+    model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int, kernel_backend: str = "native"
+) -> None:
     """quantization="auto": each Linear's small-step form is what its GGUF tensors carry.
 
     Q4_0/Q4_1 tensors become int4 from the file's own blocks (its 4-bit values and per-block
@@ -91,9 +96,11 @@ def set_small_step_from_file(model: LlamaForCausalLM, weights: LoadedWeights, ma
         if all(n in weights.int4_blocks for n in names):
             blocks = [weights.int4_blocks[n] for n in names]  # all Q4 blocks: group 32
             cat = [torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "zero")]
-            linear.small, linear.small_max_rows = Int4Grouped.from_blocks(*cat, blocks[0].group_size), max_rows
+            kernel = native_matmul_for(linear.in_features, kernel_backend)
+            form = Int4Grouped.from_blocks(*cat, blocks[0].group_size) if kernel is None else BlockInt4.from_blocks(*cat, kernel)
+            linear.set_small(form, max_rows)
         elif None not in kinds:  # quantized in the file, in some other form
-            linear.set_small_step_method("int8" if "int8" in kinds else "int4", max_rows)
+            linear.set_small_step_method("int8" if "int8" in kinds else "int4", max_rows, kernel_backend)
     weights.int4_blocks.clear()  # the packed forms hold what is needed
 
 

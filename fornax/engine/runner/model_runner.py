@@ -19,6 +19,7 @@ from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
+from fornax.models.native_step import NativeStep
 
 
 class ModelRunner:
@@ -36,6 +37,8 @@ class ModelRunner:
         kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
         model.use_ops(layer_ops(kernel_backend, dtype))
+        # Small steps in one native call where the model's forms allow (models/native_step.py).
+        self.native_step = NativeStep.build(model, self.kv_cache) if kernel_backend == "native" else None
         self.sampler = Sampler()
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.
@@ -51,7 +54,10 @@ class ModelRunner:
         input_ids, positions = self._flatten_tokens(items)
         spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
         meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window, self.attention_kernel)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
+            hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
         ends = np.cumsum([s.num_new_tokens for s in items]) - 1
         sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.spec_token_ids]

@@ -1,0 +1,148 @@
+/* A whole small step of a Llama-family decoder in one call: every layer's norms, quantized
+ * projections, rotary, K/V write, paged attention and SiLU MLP, then the final norm.
+ *
+ * Why this exists: at one token per step the arithmetic of this model is ~2 ms, but the
+ * same step run op by op from Python is ~360 torch/ctypes calls plus the module glue
+ * around them, about half of a 12-15 ms step (benchmarks/decode_profile.py). Here the
+ * Python side makes one call per step.
+ *
+ * It calls the very kernels the op-by-op native path calls (fused_ops.c, quant_matmul.c,
+ * paged_attention.c), in the same order with the same roundings, so its output is the same
+ * to the bit; tests/unit/test_native_step.py checks that. It covers steps where every
+ * sequence's new tokens go to the paged-attention kernel and every projection has a
+ * quantized small-step form; anything else runs op by op (fornax/models/native_step.py).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_QUANT_MATMUL 1
+#else
+#define HAVE_QUANT_MATMUL 0
+#endif
+
+/* One quantized projection (formats in quant_matmul.c); m == NULL means Q8. */
+typedef struct {
+    const void *w;
+    const uint16_t *d, *m; /* float16 */
+    const void *bias; /* NULL or [n] of the activation type */
+    int n, k;
+} qlinear;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* [hidden] */
+    qlinear qkv, o, gate_up, down;      /* qkv rows: [q | k | v]; gate_up rows: [gate | up] */
+    void *k_cache, *v_cache;            /* [num_slots, num_kv_heads, head_dim] */
+} decoder_layer;
+
+typedef struct {
+    const decoder_layer *layers;
+    const void *final_norm;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int block_size, window; /* window 0: none */
+    float eps, scale;
+} decoder_model;
+
+/* One step's rows, each attending through the paged cache (as paged_attention.c). */
+typedef struct {
+    const int64_t *slots;        /* [rows] cache slot of each new token */
+    const int32_t *block_tables; /* [num_seqs, max_blocks] */
+    const int32_t *row_seq, *row_pos;
+    int rows, max_blocks;
+} step_rows;
+
+int decode_step_available(void) { return HAVE_QUANT_MATMUL; }
+
+#if HAVE_QUANT_MATMUL
+
+#define DECLARE_KERNELS(SUFFIX, T)                                                               \
+    int q4_matmul_##SUFFIX(const T *, long, int, int, const uint8_t *, const uint16_t *,         \
+                           const uint16_t *, int, T *, int);                                     \
+    int q8_matmul_##SUFFIX(const T *, long, int, int, const int8_t *, const uint16_t *,          \
+                           const uint16_t *, int, T *, int);                                     \
+    void rms_norm_##SUFFIX(const T *, long, const T *, long, T *, const T *, T *, int, int,      \
+                           float, int);                                                          \
+    void rotary_##SUFFIX(T *, long, int, int, int, const T *, const T *, int);                   \
+    void silu_mul_##SUFFIX(const T *, long, T *, int, int, int);                                 \
+    int paged_attention_##SUFFIX(const T *, long, const T *, const T *, T *, const int32_t *,    \
+                                 int, const int32_t *, const int32_t *, int, int, int, int, int, \
+                                 float, int, int);
+
+DECLARE_KERNELS(f32, float)
+DECLARE_KERNELS(bf16, uint16_t)
+
+/* y = x W^T (+ b), x [rows, k] with row stride x_stride; y [rows, n]. */
+#define DEFINE_PROJECT(NAME, SUFFIX, T, LOAD, ROUND, STORE)                                       \
+    static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
+        const int bad = lin->m                                                                   \
+            ? q4_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, lin->m, lin->n, y, nt) \
+            : q8_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, 0, lin->n, y, nt);   \
+        if (bad || !lin->bias) return bad;                                                       \
+        const T *b = lin->bias;                                                                  \
+        for (int r = 0; r < rows; r++)                                                           \
+            for (int i = 0; i < lin->n; i++)                                                     \
+                STORE(y + (long)r * lin->n, i, ROUND(LOAD(y + (long)r * lin->n, i) + LOAD(b, i))); \
+        return 0;                                                                                \
+    }
+
+/* The layer order of fornax/models/llama.py (DecoderLayer.forward): each residual add is
+ * fused into the norm after it. Scratch is one allocation per step. */
+#define DEFINE_DECODE_STEP(NAME, SUFFIX, T, PROJECT)                                              \
+    int NAME(const decoder_model *md, const T *x, const T *cos, const T *sin, const step_rows *st, \
+             T *out, int nt) {                                                                   \
+        const int rows = st->rows, hid = md->hidden, d = md->head_dim;                           \
+        const int q_size = md->num_heads * d, kv_size = md->num_kv_heads * d;                    \
+        const int qkv_w = q_size + 2 * kv_size, inter = md->intermediate;                        \
+        const long per_row = 3L * hid + qkv_w + q_size + 3L * inter;                              \
+        T *scratch = malloc(sizeof(T) * per_row * rows);                                         \
+        if (!scratch) return 2;                                                                  \
+        T *h = scratch, *residual = h + (long)rows * hid, *mlp = residual + (long)rows * hid;    \
+        T *qkv = mlp + (long)rows * hid, *attn = qkv + (long)rows * qkv_w;                       \
+        T *gate_up = attn + (long)rows * q_size, *act = gate_up + 2L * rows * inter;             \
+        const T *layer_in = x; /* the previous layer's MLP output (layer 0: the embeddings) */  \
+        int bad = 0;                                                                             \
+        for (int l = 0; l < md->num_layers && !bad; l++) {                                       \
+            const decoder_layer *ly = md->layers + l;                                            \
+            if (l == 0) {                                                                        \
+                rms_norm_##SUFFIX(x, hid, 0, 0, 0, ly->input_norm, h, rows, hid, md->eps, nt);   \
+                memcpy(residual, x, sizeof(T) * rows * hid);                                     \
+            } else {                                                                             \
+                rms_norm_##SUFFIX(layer_in, hid, residual, hid, residual, ly->input_norm, h, rows, \
+                                  hid, md->eps, nt);                                             \
+            }                                                                                    \
+            bad |= PROJECT(&ly->qkv, h, hid, rows, qkv, nt);                                     \
+            rotary_##SUFFIX(qkv, qkv_w, rows, md->num_heads + md->num_kv_heads, d, cos, sin, nt); \
+            T *kc = ly->k_cache, *vc = ly->v_cache;                                              \
+            for (int r = 0; r < rows; r++) {                                                     \
+                memcpy(kc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size, sizeof(T) * kv_size); \
+                memcpy(vc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size + kv_size,    \
+                       sizeof(T) * kv_size);                                                     \
+            }                                                                                    \
+            bad |= paged_attention_##SUFFIX(qkv, qkv_w, kc, vc, attn, st->block_tables,         \
+                                            st->max_blocks, st->row_seq, st->row_pos, rows,      \
+                                            md->num_heads, md->num_kv_heads, d, md->block_size,  \
+                                            md->scale, md->window, nt);                          \
+            bad |= PROJECT(&ly->o, attn, q_size, rows, mlp, nt);                                 \
+            rms_norm_##SUFFIX(mlp, hid, residual, hid, residual, ly->post_norm, h, rows, hid,    \
+                              md->eps, nt);                                                      \
+            bad |= PROJECT(&ly->gate_up, h, hid, rows, gate_up, nt);                             \
+            silu_mul_##SUFFIX(gate_up, 2L * inter, act, rows, inter, nt);                        \
+            bad |= PROJECT(&ly->down, act, inter, rows, mlp, nt);                                \
+            layer_in = mlp;                                                                      \
+        }                                                                                        \
+        if (!bad)                                                                                \
+            rms_norm_##SUFFIX(layer_in, hid, residual, hid, residual, md->final_norm, out, rows, \
+                              hid, md->eps, nt);                                                 \
+        free(scratch);                                                                           \
+        return bad;                                                                              \
+    }
+
+DEFINE_PROJECT(project_f32, f32, float, LOAD_F32, ROUND_F32, STORE_F32)
+DEFINE_PROJECT(project_bf16, bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16)
+DEFINE_DECODE_STEP(decode_step_f32, f32, float, project_f32)
+DEFINE_DECODE_STEP(decode_step_bf16, bf16, uint16_t, project_bf16)
+
+#endif

@@ -1,0 +1,96 @@
+"""The one-call small step (layers/kernels/decode_step.c) for a Llama-family model.
+
+A step whose every sequence has at most KERNEL_MAX_QUERIES new tokens (decodes, speculative
+verification) and at most `small_step_max_rows` rows in all runs every layer in one native
+call instead of ~360 module and kernel calls. It computes what the op-by-op native path
+computes, to the bit (tests/unit/test_native_step.py), so the runner may pick either per
+step. Built only when every projection of the model has a native quantized form (BlockInt4 /
+BlockInt8) and no layer needs what the C step leaves out (Qwen3's per-head Q/K norms);
+`NativeStep.build` returns None otherwise and the model runs op by op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from fornax.layers.attention import AttentionMetadata
+from fornax.layers.linear import BlockInt4, BlockInt8, Linear
+from fornax.layers.native import (
+    DecodeStepKernel,
+    DecoderLayerDesc,
+    DecoderModelDesc,
+    QLinearDesc,
+    StepRowsDesc,
+    load_decode_step,
+)
+from fornax.models.llama import KVCache, LlamaForCausalLM
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _qlinear(linear: Linear) -> QLinearDesc | None:
+    form = linear.small
+    if isinstance(form, BlockInt4):
+        w, d, m = form.packed, form.d, form.m
+    elif isinstance(form, BlockInt8):
+        w, d, m = form.qweight, form.d, None
+    else:
+        return None
+    bias = None if linear.bias is None else linear.bias.data
+    return QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features)
+
+
+class NativeStep:
+    def __init__(
+        self, kernel: DecodeStepKernel, model: LlamaForCausalLM, layers: list[DecoderLayerDesc], kv_cache: KVCache
+    ) -> None:
+        c = model.config
+        self.kernel, self.model = kernel, model
+        self._kv_cache = kv_cache  # the descriptors point into its pools
+        self._layers = (DecoderLayerDesc * len(layers))(*layers)  # kept alive with the pointers in it
+        first = model.layers[0].self_attn
+        self.desc = DecoderModelDesc(
+            self._layers, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
+            c.rms_norm_eps, first.scale,
+        )  # fmt: skip
+        # The step may only take rows that every projection would also take in its small form.
+        self.max_rows = min(m.small_max_rows for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_cache: KVCache) -> NativeStep | None:
+        kernel = load_decode_step()
+        if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm:
+            return None
+        layers = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [_qlinear(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(p is None for p in projections):
+                return None
+            layers.append(DecoderLayerDesc(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), *projections,
+                _ptr(kv_cache.k[i]), _ptr(kv_cache.v[i]),
+            ))  # fmt: skip
+        return cls(kernel, model, layers, kv_cache)
+
+    def covers(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        kr = meta.kernel_rows
+        return kr is not None and kr.token_index is None and num_tokens <= self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], as LlamaForCausalLM.forward returns."""
+        kr = meta.kernel_rows
+        assert kr is not None
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        slots = meta.slot_mapping
+        rows = StepRowsDesc(
+            slots.data_ptr(), kr.block_tables.data_ptr(), kr.row_seq.data_ptr(), kr.row_pos.data_ptr(),
+            x.shape[0], kr.block_tables.shape[1],
+        )  # fmt: skip
+        return self.kernel(self.desc, x, cos.contiguous(), sin.contiguous(), rows)
