@@ -8,6 +8,7 @@ prompt's full blocks in the prefix cache and share them instead of recomputing t
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field, replace
 
@@ -279,4 +280,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     else:
         assert loaded.resolved.hf_dir is not None
         tokenizer = Tokenizer.from_pretrained_dir(loaded.resolved.hf_dir)
-    return EngineCore(config, loaded, tokenizer)
+    core = EngineCore(config, loaded, tokenizer)
+    # What loading left (modules, weights' wrappers, the vocabulary) lives as long as the engine;
+    # freezing it keeps the cyclic collector from re-scanning it on its full passes, which
+    # took ~5% of a single-stream decode step (perf, 2026-12-03).
+    gc.collect()
+    gc.freeze()
+    return core
