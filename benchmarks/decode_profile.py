@@ -3,7 +3,9 @@
 B requests (128-token prompts) are prefilled, then N pure decode steps run under cProfile;
 the time is split by the functions that do each part:
 
-  matmuls          torch's linear / int8 / int4 kernels (the LM head included)
+  native step      the one-call small step: every layer in C (models/native_step.py)
+  matmuls          torch's linear / int8 / int4 kernels and the native integer ones, outside
+                   the native step (the LM head included)
   attention        the native paged-attention call + writing new K/V into the pool
   fused ops        RMSNorm (+ residual add), rotary, SiLU * up
   sampling         the sampler on the step's logits
@@ -22,17 +24,26 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import pstats
 import time
 
 from fornax import LLM, SamplingParams
+from fornax.layers.native import DecodeStepKernel, PagedAttentionKernel, QuantMatmul
 
-# (part, [(file suffix, function name)], use cumulative time?)
+
+def _call_of(cls: type) -> tuple[str, str, int]:
+    """The profiler's key for cls.__call__: several classes in layers/native.py have one."""
+    return ("layers/native.py", "__call__", inspect.getsourcelines(cls.__call__)[1])
+
+
+# (part, [(file suffix, function name[, first line])], use cumulative time?)
 PARTS = [
+    ("native step", [_call_of(DecodeStepKernel)], False),
     ("matmuls", [("~", "<built-in method torch._C._nn.linear>"),
                  ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
-                 ("~", "<built-in method torch._weight_int8pack_mm>")], False),
-    ("attention", [("layers/native.py", "__call__"), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
+                 ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul)], False),
+    ("attention", [_call_of(PagedAttentionKernel), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
     ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")], True),
     ("sampling", [("sample/sampler.py", "__call__")], True),
     ("scheduler", [("engine/scheduler.py", "schedule"), ("engine/scheduler.py", "update_from_output")], True),
@@ -76,8 +87,8 @@ def main() -> None:
     accounted = 0.0
     for part, funcs, cumulative in PARTS:
         total = 0.0
-        for (path, _line, name), (_cc, _nc, tottime, cumtime, _callers) in stats.items():
-            if any(path.endswith(suffix) and name == fn for suffix, fn in funcs):
+        for (path, line, name), (_cc, _nc, tottime, cumtime, _callers) in stats.items():
+            if any(path.endswith(f[0]) and name == f[1] and f[2:] in ((), (line,)) for f in funcs):
                 total += cumtime if cumulative else tottime
         accounted += total
         print(f"  {part:<14} {total / profiled:>6.1%}")
