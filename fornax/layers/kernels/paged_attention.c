@@ -204,8 +204,11 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
  * rows to keep every thread busy. With few rows, a long one is split into parts of at least
  * MIN_PART_KEYS keys (all heads: whole K/V rows, read sequentially), merged in a second pass
  * (split-K, as in flash-decoding), so one long request still uses every core evenly; a
- * short one is split by KV head. */
-#define MIN_PART_KEYS 256
+ * very short one is split by KV head. Parts read whole K/V rows, so a block's 16 slots are
+ * one sequential run for the prefetcher: at 256 keys per part, a lone decode of a few hundred
+ * keys went per KV head instead, reading 128 of every 384 bytes, and its attention took ~57%
+ * of the time of its layer's matmuls; at 32, ~31% (perf, one run each, 2026-12-03). */
+#define MIN_PART_KEYS 32
 #define DEFINE_PAGED_ATTENTION(NAME, PART, T, STORE)                                             \
     int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache, T *out,          \
              const int32_t *block_tables, int max_blocks, const int32_t *row_seq,                \

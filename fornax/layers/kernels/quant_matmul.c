@@ -43,6 +43,12 @@
 #define QBLOCK 32
 #define MAX_ROWS 64 /* activation rows per call; small steps have at most a few dozen */
 #define ROW_BLOCK 4 /* output rows per tile */
+/* Software prefetch distance in the weight stream. A decode step streams ~96 MB of weights
+ * from memory; 2 KB ahead measured ~8% faster than the hardware prefetcher alone over a
+ * model's worth of matrices (medians of 15 rounds: 4.51 vs 4.92 ms; 1 KB 4.60, 4 KB 4.57). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
 /* 1 where the integer kernels were compiled in; the Python side keeps torch's kernels otherwise. */
 int quant_matmul_available(void) { return QMM_VNNI; }
@@ -121,6 +127,11 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
+#if PREFETCH_BYTES > 0
+        /* ahead in the tile stream (past its end runs into the next tile, which comes next) */
+        for (int line = 0; line < (Q4 ? 2 : 4); line++)
+            _mm_prefetch((const char *)w + (long)p * (Q4 ? 32 : 64) * R + PREFETCH_BYTES + 64 * line, _MM_HINT_T0);
+#endif
         __m512i xv[2];
         __m512 sx[2];
         for (int j = 0; j < NT; j++) {
