@@ -20,6 +20,9 @@ def set_rows(llm: LLM, rows: int) -> None:
     for module in llm.engine.runner.model.modules():
         if isinstance(module, Linear):
             module.small_max_rows = rows
+    step = llm.engine.runner.native_step  # the one-call small step takes what the linears take
+    if step is not None:
+        step.max_rows = rows
 
 
 def main() -> None:
