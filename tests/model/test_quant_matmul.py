@@ -1,11 +1,12 @@
 """The native integer-dot-product matmuls (kernels/quant_matmul.c) against their definition.
 
-The kernel rounds each activation block of 32 to int8 (scale = max |x| / 127, round to
-nearest even) and then computes exactly: integer dot products, float scales. So the test
+The kernel rounds the activations to int8 in groups of 4 values (scale = max |x| / 127,
+round to nearest even) and then computes exactly: integer dot products, float scales. So the test
 builds that rounding in torch and expects the same result to float accumulation error, for
 every tile edge (rows not a multiple of the 4-row tile, odd activation counts) and both
 activation dtypes. Against the unrounded float product the error stays at the size of the
-activation rounding (~0.5%), which is what quantization quality is then measured on.
+activation rounding (a few times bf16's rounding error), which is what quantization quality
+is then measured on.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 VNNI or no C 
 
 
 def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.float().view(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(blocks / scale) * scale).view_as(x)
+    groups = x.float().view(x.shape[0], -1, 4)  # one int8 scale per 4 consecutive values
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / scale) * scale).view_as(x)
 
 
 def _reference(form, x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,14 @@ def test_matches_definition(cls, n, k, rows):
     y = form(x)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     torch.testing.assert_close(y, _reference(form, x), atol=2e-5, rtol=1e-5)
-    # Against the float product: only the activation rounding.
-    exact = x @ form.dequantize().T
-    assert ((y - exact).norm() / exact.norm()).item() < 0.02
+    # Against the float product: only the activation rounding. On random Gaussian data that
+    # is 3-7x what rounding the activations to bf16 costs (torch's int4/int8 kernels do that);
+    # its effect on the model is bounded by the perplexity test (tests/model/test_quantization.py).
+    w = form.dequantize()
+    exact = x @ w.T
+    ours = ((y - exact).norm() / exact.norm()).item()
+    bf16 = ((x.bfloat16().float() @ w.T - exact).norm() / exact.norm()).item()
+    assert ours < 8 * bf16, (ours, bf16)
 
 
 @pytest.mark.parametrize("cls", [BlockInt4, BlockInt8])
