@@ -28,6 +28,16 @@
 #include <immintrin.h>
 #endif
 
+/* Ask for `bytes` from p on into the cache ahead of use. A sequence's K/V rows are scattered
+ * by block, so the hardware prefetcher loses the stream at every block boundary; with the
+ * weights streaming through the caches in between, a lone 2,000-key decode read its K/V
+ * from memory. Prefetching K and V 8 keys ahead made it ~8% faster end to end (two A/B
+ * rounds, 2026-12-03). */
+#define PREFETCH_KEYS_AHEAD 8
+static inline void prefetch_bytes(const void *p, long bytes) {
+    for (long b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
 /* The three inner loops, over one head's head_dim values. With AVX-512 (and head_dim a
  * multiple of 16, true of every supported model) they are written out with intrinsics:
  * left to the auto-vectorizer inside the macro bodies below they ran ~5x slower. */
@@ -169,10 +179,19 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
             const T *qh = q + r * q_row_stride + (h0 + h) * head_dim;                            \
             for (int d = 0; d < head_dim; d++) qf[(long)h * head_dim + d] = LOAD(qh, d) * scale; \
         }                                                                                        \
+        const long row_bytes = (long)(kvh1 - kvh0) * head_dim * sizeof(T);                       \
+        int pf_off = (k0 + PREFETCH_KEYS_AHEAD) % block_size;                                    \
+        int pf_blk = (k0 + PREFETCH_KEYS_AHEAD) / block_size;                                    \
         for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; j++) {              \
             /* slot of key k0 + j, stepped along the block table (no division per key) */      \
             const long slot = (long)table[blk] * block_size + off;                               \
             if (++off == block_size) { off = 0; blk++; }                                         \
+            if (j + PREFETCH_KEYS_AHEAD < n) { /* K (for now) and V (for the value pass) */     \
+                const long pf = ((long)table[pf_blk] * block_size + pf_off) * kv_row + (long)kvh0 * head_dim; \
+                prefetch_bytes(k_cache + pf, row_bytes);                                         \
+                prefetch_bytes(v_cache + pf, row_bytes);                                         \
+                if (++pf_off == block_size) { pf_off = 0; pf_blk++; }                           \
+            }                                                                                    \
             for (int kh = kvh0; kh < kvh1; kh++) {                                               \
                 const T *kr = k_cache + slot * kv_row + (long)kh * head_dim;                     \
                 TO_F32(kv, kr, head_dim);                                                        \
