@@ -228,7 +228,10 @@ def _build_spec(
     from fornax.spec_decode import TargetInfo, build_proposer
 
     target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
-    return SpecController(config.speculative, build_proposer(config.speculative, target))
+    # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
+    # dense ones; drafts must not push a step over that limit.
+    row_limit = config.small_step_max_rows if config.small_step_method else 0
+    return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -26,8 +26,10 @@ from fornax.spec_decode import Proposer
 
 
 class SpecController:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
-        self.config, self.proposer = config, proposer
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, row_limit: int = 0) -> None:
+        """row_limit: the most rows a step may have and still run the quantized small-step
+        kernels (0: no such limit); drafts never push a step past it (see plan_drafts)."""
+        self.config, self.proposer, self.row_limit = config, proposer, row_limit
 
     def num_drafts(self, request: Request) -> int:
         """How many drafts this request may take now (0: it does not speculate this step)."""
@@ -66,7 +68,7 @@ class SpecController:
         setup = None
         if draft_cost is None:
             setup = [self._amortized_setup(r, a) for r, a in zip(candidates, rates)]
-        counts = plan_drafts(rates, max_counts, len(running), unit, self.config.row_cost, setup)
+        counts = plan_drafts(rates, max_counts, len(running), unit, self.config.row_cost, setup, self.row_limit)
         chosen = [(r, k) for r, k in zip(candidates, counts) if k > 0]
         if not chosen:
             return
@@ -114,6 +116,7 @@ def plan_drafts(
     unit: float,
     row_cost: float,
     setup: list[float] | None = None,
+    row_limit: int = 0,
 ) -> list[int]:
     """How many drafts each request gets: greedy on expected gain per unit of cost.
 
@@ -123,14 +126,19 @@ def plan_drafts(
     `unit`. Taking drafts best first while each one's gain/cost beats the step's current
     tokens/cost maximises the expected tokens per unit of cost. A request's first draft also
     carries its `setup` (e.g. a draft model's catch-up, amortised by the caller).
+
+    A step of at most `row_limit` rows runs the quantized small-step kernels and a larger one
+    the dense weights, several times dearer per step at that size: a cliff the linear cost
+    does not see. So drafts stop where they would push a step that fits over the limit.
     """
     cost = 1.0 + row_cost * num_rows
     tokens = float(num_rows)
+    room = row_limit - num_rows if row_limit and num_rows <= row_limit else -1  # -1: unbounded
     counts = [0] * len(rates)
     rates = [min(max(a, 0.0), 1.0) for a in rates]
     heap = [(-a, i, 1) for i, a in enumerate(rates) if max_counts[i] > 0]
     heapq.heapify(heap)
-    while heap:
+    while heap and room != 0:
         neg_gain, i, j = heapq.heappop(heap)
         gain = -neg_gain
         extra = setup[i] if setup is not None and j == 1 else 0.0
@@ -141,6 +149,7 @@ def plan_drafts(
         counts[i] = j
         tokens += gain
         cost += unit + extra
+        room -= 1 if room > 0 else 0
         if j < max_counts[i]:
             heapq.heappush(heap, (-(gain * rates[i]), i, j + 1))
     return counts

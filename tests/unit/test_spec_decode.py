@@ -307,3 +307,16 @@ def test_draft_budget_gives_one_stream_long_drafts_and_a_big_batch_few():
     assert counts[0] >= counts[1] >= counts[2] and sum(counts) < 16
     # An expensive draft model in a batch of eight: no speculation at all.
     assert plan_drafts([0.8] * 8, [3] * 8, 8, unit=0.45, row_cost=0.08) == [0] * 8
+
+
+def test_draft_budget_keeps_a_small_step_under_the_row_limit():
+    from fornax.spec_decode.controller import plan_drafts
+
+    # Free drafts, 8 streams, a limit of 24 rows: 16 drafts, the likeliest first.
+    counts = plan_drafts([0.9, 0.5] + [0.2] * 6, [4] * 8, 8, unit=0.0, row_cost=0.0, row_limit=24)
+    assert sum(counts) == 16 and counts[0] == 4 and counts[1] == 4
+    # At the limit already: none; over it (a dense step anyway): the limit does not apply.
+    assert plan_drafts([0.9] * 24, [3] * 24, 24, unit=0.0, row_cost=0.0, row_limit=24) == [0] * 24
+    assert plan_drafts([0.9] * 30, [3] * 30, 30, unit=0.0, row_cost=0.0, row_limit=24) == [3] * 30
+    # No limit given: unchanged.
+    assert plan_drafts([0.9] * 8, [4] * 8, 8, unit=0.0, row_cost=0.0) == [4] * 8
