@@ -139,15 +139,18 @@ class SpeculativeConfig:
     # for their cost, where one more verified row costs `row_cost` of a decode step's fixed
     # cost and one draft token `draft_cost` (None: the proposer's own estimates, per token and
     # for a draft model's catch-up; 0 for n-gram).
-    # row_cost 0.12 is measured here (benchmarks/spec_decode.py): on a CPU every verified row
-    # is real matmul work. disable_by_batch_size 4: with the native attention kernels, 8
+    # row_cost (None: by the target's weights) is measured here (benchmarks/spec_decode.py): on
+    # a CPU every verified row is real matmul work. Dense bf16 targets: 0.12. Quantized small
+    # steps (native integer kernels) are compute-bound past one row, so a row costs more of a
+    # step: at 0.12 open-ended prompts decoded 17% slower with n-gram drafts, at 0.5 level,
+    # grounded ones 1.17x (--quantization auto, 2026-12-03). disable_by_batch_size 4: with the native attention kernels, 8
     # streams decoded 3-10% slower with n-gram drafts than without, whatever row_cost
     # (0.12 and 0.3 measured, 2026-12-03), so by default a batch of more than 4 does not speculate.
     min_acceptance_rate: float = 0.2
     acceptance_ema_decay: float = 0.5
     probe_interval: int = 16
     disable_by_batch_size: int = 4
-    row_cost: float = 0.12
+    row_cost: float | None = None
     draft_cost: float | None = None
 
     def __post_init__(self) -> None:
@@ -177,7 +180,7 @@ class SpeculativeConfig:
             raise ConfigError("acceptance_ema_decay must be in [0, 1)")
         if self.probe_interval < 1 or self.disable_by_batch_size < 0:
             raise ConfigError("probe_interval must be >= 1 and disable_by_batch_size >= 0")
-        if self.row_cost < 0 or (self.draft_cost is not None and self.draft_cost < 0):
+        if (self.row_cost is not None and self.row_cost < 0) or (self.draft_cost is not None and self.draft_cost < 0):
             raise ConfigError("row_cost and draft_cost must be >= 0")
 
     @classmethod

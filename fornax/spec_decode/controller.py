@@ -24,12 +24,19 @@ from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from fornax.engine.request import Request, RequestStatus
 from fornax.spec_decode import Proposer
 
+# One more verified row, relative to a decode step's fixed cost (measured: config.py).
+DENSE_ROW_COST = 0.12
+QUANTIZED_ROW_COST = 0.5
+
 
 class SpecController:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, row_limit: int = 0) -> None:
         """row_limit: the most rows a step may have and still run the quantized small-step
-        kernels (0: no such limit); drafts never push a step past it (see plan_drafts)."""
+        kernels (0: no such limit, a dense target); drafts never push a step past it (see
+        plan_drafts). The default row cost follows the target's weights (config.py)."""
         self.config, self.proposer, self.row_limit = config, proposer, row_limit
+        default_row_cost = QUANTIZED_ROW_COST if row_limit else DENSE_ROW_COST
+        self.row_cost = default_row_cost if config.row_cost is None else config.row_cost
 
     def num_drafts(self, request: Request) -> int:
         """How many drafts this request may take now (0: it does not speculate this step)."""
@@ -62,13 +69,13 @@ class SpecController:
         if not candidates:
             return
         draft_cost = self.config.draft_cost
-        unit = self.config.row_cost + (self.proposer.cost_per_token if draft_cost is None else draft_cost)
+        unit = self.row_cost + (self.proposer.cost_per_token if draft_cost is None else draft_cost)
         rates = [r.spec.acceptance_ema for r in candidates]
         # An explicit draft_cost replaces the proposer's own estimates, catch-up included.
         setup = None
         if draft_cost is None:
             setup = [self._amortized_setup(r, a) for r, a in zip(candidates, rates)]
-        counts = plan_drafts(rates, max_counts, len(running), unit, self.config.row_cost, setup, self.row_limit)
+        counts = plan_drafts(rates, max_counts, len(running), unit, self.row_cost, setup, self.row_limit)
         chosen = [(r, k) for r, k in zip(candidates, counts) if k > 0]
         if not chosen:
             return
