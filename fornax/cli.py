@@ -34,6 +34,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
     p.add_argument("--kernel-backend", default="native", choices=["native", "torch"],
                    help="native: compiled paged attention and fused layer ops (torch ops if they cannot be built)")  # fmt: skip
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="engine compute threads (default: every CPU this process may use)")  # fmt: skip
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +137,8 @@ def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-               small_step_max_rows=args.small_step_max_rows, kernel_backend=args.kernel_backend)  # fmt: skip
+               small_step_max_rows=args.small_step_max_rows, kernel_backend=args.kernel_backend,
+               num_threads=args.num_threads)  # fmt: skip
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -208,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
-        kernel_backend=args.kernel_backend,
+        kernel_backend=args.kernel_backend, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
                           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

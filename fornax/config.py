@@ -228,6 +228,11 @@ class EngineConfig:
     # ops are the fallback when they cannot be built. "torch": torch ops only (gather, then
     # matmuls / SDPA; the reference path).
     kernel_backend: str = "native"
+    # Compute threads of the engine (torch's intra-op pool, which the native kernels share).
+    # None: every CPU this process may run on. In `fornax serve` the HTTP event loop gets no
+    # core of its own by default: its work is short and runs while the kernels release the
+    # GIL, and leaving it a core halves the engine's on this 2-core machine (README).
+    num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
@@ -242,6 +247,8 @@ class EngineConfig:
             raise ConfigError("small_step_max_rows must be >= 0")
         if self.kernel_backend not in ("native", "torch"):
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
     def small_step_method(self) -> str | None:

@@ -35,6 +35,7 @@ class LLM:
         quantization: str | None = None,
         small_step_max_rows: int = 24,
         kernel_backend: str = "native",
+        num_threads: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
@@ -54,6 +55,7 @@ class LLM:
             quantization=quantization,
             small_step_max_rows=small_step_max_rows,
             kernel_backend=kernel_backend,
+            num_threads=num_threads,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_memory_size(kv_cache_memory),

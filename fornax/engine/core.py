@@ -9,6 +9,7 @@ prompt's full blocks in the prefix cache and share them instead of recomputing t
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -273,6 +274,8 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     """Resolve and load the model and its tokenizer, then size the cache and build the core."""
     from fornax.models import load_model
 
+    # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
+    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
     method = config.small_step_method
     small_step = (method, config.small_step_max_rows) if method else None
     loaded = load_model(

@@ -93,3 +93,19 @@ def _count_calls(llm: LLM) -> dict[str, int]:
 
     llm.engine.runner.native_step = Counting()
     return counts
+
+
+def test_engine_sets_its_thread_count(tiny_dir):
+    import torch
+
+    arch, path = tiny_dir
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(path, num_blocks=64, progress=False, quantization="int4", num_threads=1)
+        assert torch.get_num_threads() == 1
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        torch.set_num_threads(before)

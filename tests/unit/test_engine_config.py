@@ -21,3 +21,9 @@ def test_unknown_kernel_backend_is_a_clear_error():
     assert EngineConfig(kernel_backend="torch").kernel_backend == "torch"
     with pytest.raises(ConfigError, match="kernel_backend must be 'native' or 'torch'"):
         EngineConfig(kernel_backend="cuda")
+
+
+def test_num_threads_must_be_positive():
+    assert EngineConfig(num_threads=3).num_threads == 3
+    with pytest.raises(ConfigError, match="num_threads must be >= 1"):
+        EngineConfig(num_threads=0)
