@@ -3,10 +3,13 @@
 On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
 rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16 (LM head at
 one row: bf16 3.5 ms, int8 2.5 ms, int4 0.8 ms, benchmarks/linear_kernels.py); with many
-rows (prefill), bf16 through oneDNN wins. So a Linear keeps
-its dense weight and, when configured, a "small-step" form chosen by `method`; `forward`
-picks by the row count of its input. The forms are small classes in a registry
-(DESIGN.md rule 8), not branches inside the hot loop.
+rows (prefill), bf16 through oneDNN wins. So a Linear keeps its dense weight and, when
+configured, a "small-step" form chosen by `method`; `forward` picks by the row count of its
+input. The forms are small classes in registries (DESIGN.md rule 8), not branches inside the
+hot loop: BlockInt4 / BlockInt8 run fornax's integer-dot-product kernel
+(kernels/quant_matmul.c) where the CPU has AVX-512 VNNI and kernel_backend is "native"; they
+are also what the one-call small step (models/native_step.py) reads. Int4Grouped /
+Int8PerChannel run torch's kernels everywhere else.
 """
 
 from __future__ import annotations
