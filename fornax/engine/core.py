@@ -270,12 +270,19 @@ def _spec_timings(req: Request) -> dict[str, float]:
     }
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore:
     """Resolve and load the model and its tokenizer, then size the cache and build the core."""
     from fornax.models import load_model
 
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
-    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(config.num_threads or _usable_cpus())
     method = config.small_step_method
     small_step = (method, config.small_step_max_rows) if method else None
     loaded = load_model(

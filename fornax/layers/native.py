@@ -197,6 +197,8 @@ class QuantMatmul:
         """y [T, n] = x W^T, x: [T, K] with contiguous rows. W in the kernel's tiles (layers/linear.py
         BlockInt4 / BlockInt8): fmt "q4": 4-bit pairs, float16 scales and offsets; "q8": int8
         values, float16 scales, offset None."""
+        if x.dtype not in (torch.float32, torch.bfloat16):  # float16 models: through float32
+            return self(fmt, x.float(), qweight, scale, offset, n).to(x.dtype)
         rows, k = x.shape
         if qweight.numel() * (2 if fmt == "q4" else 1) < n * k:
             raise ValueError("quantized matmul: weight smaller than [n, k]")

@@ -59,6 +59,16 @@ def test_matches_definition(cls, n, k, rows):
 
 
 @pytest.mark.parametrize("cls", [BlockInt4, BlockInt8])
+def test_float16_activations_go_through_float32(cls):
+    gen = torch.Generator().manual_seed(3)
+    form = cls(torch.randn(8, 64, generator=gen) * 0.05, KERNEL)
+    x = torch.randn(2, 64, generator=gen)
+    y = form(x.half())
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), form(x.half().float()), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("cls", [BlockInt4, BlockInt8])
 def test_bf16_activations_and_strided_rows(cls):
     gen = torch.Generator().manual_seed(1)
     form = cls(torch.randn(100, 192, generator=gen) * 0.05, KERNEL)
