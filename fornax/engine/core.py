@@ -231,7 +231,8 @@ def _build_spec(
     target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
     # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
     # dense ones; drafts must not push a step over that limit.
-    row_limit = config.small_step_max_rows if config.small_step_method else 0
+    # ("auto" on a model without quantized tensors leaves every step dense: no limit then.)
+    row_limit = config.small_step_max_rows if loaded.model.has_small_step_forms() else 0
     return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit)
 
 

@@ -152,6 +152,10 @@ class LlamaForCausalLM(nn.Module):
             out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
         return out
 
+    def has_small_step_forms(self) -> bool:
+        """Whether any projection has a quantized form for small steps (layers/linear.py)."""
+        return any(isinstance(m, Linear) and m.small is not None for m in self.modules())
+
     def use_ops(self, ops: LayerOps) -> None:
         """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""
         for module in self.modules():

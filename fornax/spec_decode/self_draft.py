@@ -65,7 +65,7 @@ def _build(config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
     kernel = target_kernel(target)
     layers = draft.config.num_hidden_layers / target.loaded.config.num_hidden_layers
     cost = layers * QUANTIZED_STEP_COST.get(config.quantization or "", 1.0)
-    if any(isinstance(m, Linear) and m.small is not None for m in target.loaded.model.modules()):
+    if target.loaded.model.has_small_step_forms():
         # The target's own small steps are quantized already (and run as one native call):
         # the draft's op-by-op steps cost about as much as the target's, not a third
         # (benchmarks/spec_decode.py --quantization auto: ~1.0, 2026-12-03).
