@@ -28,6 +28,9 @@ class EventTap:
         self._blocks: dict[str, int] = {}  # child id -> blocks it held after its last step
         self._last_token: dict[tuple[str, int], float] = {}  # (parent, index) -> monotonic time
         self._chunks: list[tuple[Request, str, int, int, int]] = []  # this step's prefill chunks
+        # this step's verifications: (request, parent, index, its blocks while verifying, drafts,
+        # drafts it had had accepted before this step)
+        self._verifying: list[tuple[Request, str, int, list[int], int, int]] = []
         self._step_start = 0.0
 
     def _sync(self) -> None:
@@ -59,9 +62,13 @@ class EventTap:
             self._blocks.pop(child_id, None)
             events.append(Event("preempted", _parent(core, child_id), now, {"index": _index(core, child_id)}))
         self._chunks = []
+        self._verifying = []
         for s in sched.scheduled:
             req, child_id = s.request, s.request.request_id
             parent, index = _parent(core, child_id), _index(core, child_id)
+            if s.spec_token_ids:
+                spec = (list(s.block_ids), len(s.spec_token_ids), req.spec.num_accepted_tokens)
+                self._verifying.append((req, parent, index, *spec))
             held = self._blocks.get(child_id)
             start = req.num_computed_tokens  # before this step's tokens
             if held is None:  # admitted (or readmitted after preemption) this step
@@ -98,6 +105,18 @@ class EventTap:
                 "num_prompt_tokens": req.num_prompt_tokens, "duration_s": mono - self._step_start,
             }))  # fmt: skip
         self._chunks = []
+        kv = core.scheduler.kv
+        for req, parent, index, held, drafts, accepted_before in self._verifying:
+            # Rejected drafts are rolled back and the blocks that held only them go back to the
+            # pool (Scheduler._settle_drafts); a finished request frees everything on its own.
+            after = kv.get_block_ids(req.request_id) if not req.is_finished else held
+            events.append(Event("spec_verify", parent, now, {
+                "index": index, "step": self.step_id, "num_draft_tokens": drafts,
+                "num_accepted_tokens": req.spec.num_accepted_tokens - accepted_before,
+                "released_blocks": held[len(after):], "num_free_blocks": kv.num_free_blocks,
+            }))  # fmt: skip
+            self._blocks[req.request_id] = len(after)
+        self._verifying = []
         tokenizer = core.tokenizer
         for out in outputs:
             key = (out.request_id, out.index)

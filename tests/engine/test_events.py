@@ -78,6 +78,40 @@ def test_request_lifecycle_events(tiny):
         loop.close()
 
 
+def test_speculative_verification_events(tmp_path):
+    """Each verifying step reports its drafts, what was accepted, and the blocks the rollback
+    gave back (4-token blocks, so rejected drafts often leave a whole block behind)."""
+    build_tiny_model("llama", tmp_path)
+    always = {"min_acceptance_rate": 0.0, "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, **always}
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=128, block_size=4, speculative_config=spec, progress=False)
+    core = llm.engine
+    loop = asyncio.new_event_loop()
+    try:
+        sub = core.events.subscribe(loop=loop)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        _run(llm, "s1", [5, 6, 7, 5, 6, 7, 5, 6], params)
+        events = _drain(loop, sub)
+        verifies = [e for e in events if e.type == "spec_verify"]
+        assert verifies, "the n-gram proposer drafted nothing"
+        for e in verifies:
+            assert 0 <= e.data["num_accepted_tokens"] <= e.data["num_draft_tokens"] <= 3
+        finished = next(e for e in events if e.type == "finished")
+        timings = finished.data["timings"]
+        assert sum(e.data["num_draft_tokens"] for e in verifies) == timings["spec_num_draft_tokens"]
+        assert sum(e.data["num_accepted_tokens"] for e in verifies) == timings["spec_num_accepted_tokens"]
+        released = [b for e in verifies for b in e.data["released_blocks"]]
+        assert released, "no rollback released a block"
+        # Every released block had been reported to the view as one of the request's.
+        reported = {b for e in events if e.type == "blocks" for b in e.data["table"]}
+        assert set(released) <= reported
+        sub.close()
+        core.check_integrity()
+        assert core.kv_cache_usage == 0.0
+    finally:
+        loop.close()
+
+
 def test_idle_bus_builds_nothing(tiny):
     """With no subscriber the tap is never called and no history is kept."""
     core = tiny.engine
