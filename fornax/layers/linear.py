@@ -47,6 +47,17 @@ class Int8PerChannel:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
 
 
+def _asymmetric_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round to 16 levels spanning each group's range: w ~ q * scale + lo, q [out, in] in [0, 15]
+    (uint8), scale and lo [out, groups] float32."""
+    out_f, in_f = weight.shape
+    w = weight.float().view(out_f, in_f // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.view(out_f, in_f), scale, lo
+
+
 class Int4Grouped:
     """Weight-only int4, asymmetric per group of `group_size` input channels.
 
@@ -57,11 +68,8 @@ class Int4Grouped:
         out_f, in_f = weight.shape
         if in_f % group_size:
             raise ValueError(f"in_features {in_f} is not a multiple of the int4 group size {group_size}")
-        w = weight.float().view(out_f, in_f // group_size, group_size)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        self.init_packed(q.view(out_f, in_f), scale, lo + 8.0 * scale, group_size)
+        q, scale, lo = _asymmetric_int4(weight, group_size)
+        self.init_packed(q.to(torch.int32), scale, lo + 8.0 * scale, group_size)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Grouped:
@@ -114,16 +122,11 @@ def _untile_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 class BlockInt4:
     """Weight-only int4 in blocks of 32, w = d * q + m (llama.cpp's Q4_1), for the native
-    integer kernel (kernels/quant_matmul.c: activations rounded to int8 per block, exact
+    integer kernel (kernels/quant_matmul.c: activations rounded to int8 per 4 values, exact
     integer dot products). Scales in float16, as the GGUF blocks carry them."""
 
     def __init__(self, weight: torch.Tensor, kernel: QuantMatmul) -> None:
-        out_f, in_f = weight.shape
-        w = weight.float().view(out_f, in_f // 32, 32)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        d = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
-        self._init(q.view(out_f, in_f), d, lo, kernel)
+        self._init(*_asymmetric_int4(weight, 32), kernel)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: QuantMatmul) -> BlockInt4:
@@ -150,7 +153,6 @@ class BlockInt4:
         return (q * d + self.m[:out_f].float()[..., None]).view(out_f, half * 2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.stride(-1) == 1 else x.contiguous()
         return self.kernel("q4", x, self.packed, self.d, self.m, self.out_features)
 
 
@@ -174,7 +176,6 @@ class BlockInt8:
         return (q.view(out_f, in_f // 32, 32) * d[..., None]).view(out_f, in_f)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.stride(-1) == 1 else x.contiguous()
         return self.kernel("q8", x, self.qweight, self.d, None, self.out_features)
 
 

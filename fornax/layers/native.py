@@ -194,11 +194,13 @@ class QuantMatmul:
     def __call__(
         self, fmt: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        """y [T, n] = x W^T, x: [T, K] with contiguous rows. W in the kernel's tiles (layers/linear.py
+        """y [T, n] = x W^T, x: [T, K] (any row stride). W in the kernel's tiles (layers/linear.py
         BlockInt4 / BlockInt8): fmt "q4": 4-bit pairs, float16 scales and offsets; "q8": int8
         values, float16 scales, offset None."""
         if x.dtype not in (torch.float32, torch.bfloat16):  # float16 models: through float32
             return self(fmt, x.float(), qweight, scale, offset, n).to(x.dtype)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
         rows, k = x.shape
         if qweight.numel() * (2 if fmt == "q4" else 1) < n * k:
             raise ValueError("quantized matmul: weight smaller than [n, k]")
@@ -313,10 +315,8 @@ def load_quant_matmul() -> QuantMatmul | None:
 @functools.cache
 def load_decode_step() -> DecodeStepKernel | None:
     """The one-call small step, or None where the integer kernels it uses cannot run here."""
-    lib = _library()
-    if lib is None or not lib.decode_step_available():
-        return None
-    return DecodeStepKernel(lib)
+    lib = _library()  # it calls the integer matmuls, so it runs exactly where they do
+    return None if lib is None or load_quant_matmul() is None else DecodeStepKernel(lib)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 A step whose every sequence has at most KERNEL_MAX_QUERIES new tokens (decodes, speculative
 verification) and at most `small_step_max_rows` rows in all runs every layer in one native
 call instead of ~360 module and kernel calls. It computes what the op-by-op native path
-computes, to the bit (tests/unit/test_native_step.py), so the runner may pick either per
+computes, to the bit (tests/model/test_native_step.py), so the runner may pick either per
 step. Built only when every projection of the model has a native quantized form (BlockInt4 /
 BlockInt8) and no layer needs what the C step leaves out (Qwen3's per-head Q/K norms);
 `NativeStep.build` returns None otherwise and the model runs op by op.

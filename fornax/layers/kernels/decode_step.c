@@ -18,6 +18,8 @@
 
 #include "bf16.h"
 
+/* Built only with the integer matmuls it calls (quant_matmul.c, same condition); Python
+ * loads it only where quant_matmul_available(). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_QUANT_MATMUL 1
 #else
@@ -53,8 +55,6 @@ typedef struct {
     const int32_t *row_seq, *row_pos;
     int rows, max_blocks;
 } step_rows;
-
-int decode_step_available(void) { return HAVE_QUANT_MATMUL; }
 
 #if HAVE_QUANT_MATMUL
 
