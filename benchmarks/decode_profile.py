@@ -4,7 +4,7 @@ B requests (128-token prompts) are prefilled, then N pure decode steps run under
 the time is split by the functions that do each part:
 
   native step      the one-call small step: every layer in C (models/native_step.py)
-  matmuls          torch's linear / int8 / int4 kernels and the native integer ones, outside
+  matmuls          torch's linear / int8 / int4 kernels and the native integer and bf16 ones, outside
                    the native step (the LM head included)
   attention        the native paged-attention call + writing new K/V into the pool
   fused ops        RMSNorm (+ residual add), rotary, SiLU * up
@@ -29,7 +29,7 @@ import pstats
 import time
 
 from fornax import LLM, SamplingParams
-from fornax.layers.native import DecodeStepKernel, PagedAttentionKernel, QuantMatmul
+from fornax.layers.native import Bf16Matmul, DecodeStepKernel, PagedAttentionKernel, QuantMatmul
 
 
 def _call_of(cls: type) -> tuple[str, str, int]:
@@ -42,7 +42,8 @@ PARTS = [
     ("native step", [_call_of(DecodeStepKernel)], False),
     ("matmuls", [("~", "<built-in method torch._C._nn.linear>"),
                  ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
-                 ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul)], False),
+                 ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul),
+                 _call_of(Bf16Matmul)], False),
     ("attention", [_call_of(PagedAttentionKernel), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
     ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")], True),
     ("sampling", [("sample/sampler.py", "__call__")], True),

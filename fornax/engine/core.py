@@ -232,7 +232,7 @@ def _build_spec(
     # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
     # dense ones; drafts must not push a step over that limit.
     # ("auto" on a model without quantized tensors leaves every step dense: no limit then.)
-    row_limit = config.small_step_max_rows if loaded.model.has_small_step_forms() else 0
+    row_limit = config.small_step_max_rows if loaded.model.has_quantized_small_steps() else 0
     return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit)
 
 
@@ -284,8 +284,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
 
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
     torch.set_num_threads(config.num_threads or _usable_cpus())
-    method = config.small_step_method
-    small_step = (method, config.small_step_max_rows) if method else None
+    small_step = (config.small_step_method, config.small_step_max_rows)
     loaded = load_model(
         config.model, config.dtype, progress=progress, small_step=small_step, kernel_backend=config.kernel_backend
     )

@@ -10,6 +10,11 @@ hot loop: BlockInt4 / BlockInt8 run fornax's integer-dot-product kernel
 (kernels/quant_matmul.c) where the CPU has AVX-512 VNNI and kernel_backend is "native"; they
 are also what the one-call small step (models/native_step.py) reads. Int4Grouped /
 Int8PerChannel run torch's kernels everywhere else.
+
+Dense bf16 models get a small-step form too where the CPU has AVX-512 BF16: DenseBf16 runs
+the Linear's own weight (no copy) through kernels/bf16_matmul.c, which streams it at the
+machine's read bandwidth where oneDNN's bf16 linear reaches about half of it at a few rows.
+It is not quantized: the same products in float32, summed in another order.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fornax.layers.native import QuantMatmul, load_quant_matmul
+from fornax.layers.native import Bf16Matmul, QuantMatmul, load_bf16_matmul, load_quant_matmul
 
 
 class LinearMethod(Protocol):
@@ -31,6 +36,8 @@ class LinearMethod(Protocol):
 
 class Int8PerChannel:
     """Weight-only int8, symmetric per output channel; activations stay bf16."""
+
+    quantized = True
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.float()
@@ -63,6 +70,8 @@ class Int4Grouped:
 
     torch's packed layout computes w = (q - 8) * scale + zero with q in [0, 15].
     """
+
+    quantized = True
 
     def __init__(self, weight: torch.Tensor, group_size: int = 32) -> None:
         out_f, in_f = weight.shape
@@ -125,6 +134,8 @@ class BlockInt4:
     integer kernel (kernels/quant_matmul.c: activations rounded to int8 per 4 values, exact
     integer dot products). Scales in float16, as the GGUF blocks carry them."""
 
+    quantized = True
+
     def __init__(self, weight: torch.Tensor, kernel: QuantMatmul) -> None:
         self._init(*_asymmetric_int4(weight, 32), kernel)
 
@@ -160,6 +171,8 @@ class BlockInt8:
     """Weight-only int8, symmetric per block of 32 (llama.cpp's Q8_0), for the native integer
     kernel; finer than per-channel int8 at the same kernel cost."""
 
+    quantized = True
+
     def __init__(self, weight: torch.Tensor, kernel: QuantMatmul) -> None:
         out_f, in_f = weight.shape
         w = weight.float().view(out_f, in_f // 32, 32)
@@ -177,6 +190,27 @@ class BlockInt8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel("q8", x, self.qweight, self.d, None, self.out_features)
+
+
+class DenseBf16:
+    """The dense bf16 weight itself, through the native bf16 kernel (kernels/bf16_matmul.c):
+    for small steps of bf16 models without a quantized form. Holds the Linear's weight tensor,
+    so it costs no memory."""
+
+    quantized = False
+
+    def __init__(self, weight: torch.Tensor, kernel: Bf16Matmul) -> None:
+        self.weight, self.kernel = weight, kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight)
+
+
+def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
+    """The native bf16 kernel when `backend` asks for it, it runs on this CPU, and `weight`
+    is a contiguous bf16 matrix whose width is a multiple of 32; None: torch's linear."""
+    ok = weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape[1] % 32 == 0
+    return load_bf16_matmul() if backend == "native" and ok else None
 
 
 SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
@@ -213,6 +247,13 @@ class Linear(nn.Module):
 
     def set_small(self, form: LinearMethod, max_rows: int) -> None:
         self.small, self.small_max_rows = form, max_rows
+
+    def set_dense_small_step(self, max_rows: int, backend: str = "native") -> None:
+        """Serve inputs of at most `max_rows` rows from the native bf16 kernel, where it runs
+        (bf16 weights, AVX-512 BF16, `backend` "native"); otherwise nothing changes."""
+        kernel = dense_matmul_for(self.weight.data, backend)
+        if kernel is not None:
+            self.set_small(DenseBf16(self.weight.data, kernel), max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_max_rows:

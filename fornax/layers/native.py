@@ -1,6 +1,7 @@
 """fornax's native kernels (kernels/*.c): paged attention read in place, the fused
 elementwise ops of a decoder layer (RMSNorm with the residual add, rotary, SiLU * up),
-weight-only 4/8-bit matmuls on integer dot products, and a whole small step in one call.
+weight-only 4/8-bit matmuls on integer dot products, a bf16 matmul for small steps, and a
+whole small step in one call.
 
 They are plain C with no torch headers, so building them takes a second or two with the
 system C compiler (a torch C++ extension needs a minute of header parsing on this machine).
@@ -217,12 +218,42 @@ class QuantMatmul:
         return out
 
 
+class Bf16Matmul:
+    """ctypes wrapper of kernels/bf16_matmul.c: y = x W^T for a bf16 Linear's own weight, for
+    steps of a few rows. Only loaded where the CPU has AVX-512 BF16."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._fn = lib.bf16_matmul_bf16
+        self._fn.restype, self._fn.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i, p, i]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y [T, N] = x W^T; x: [T, K] bf16 (any row stride), weight: [N, K] bf16 contiguous."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        n, k = weight.shape
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[1] != k or not weight.is_contiguous():
+            raise ValueError("bf16 matmul: x [T, K] and a contiguous weight [N, K], both bfloat16")
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        status = self._fn(
+            x.data_ptr(), x.stride(0), x.shape[0], k, weight.data_ptr(), n, out.data_ptr(), torch.get_num_threads()
+        )
+        if status:
+            raise RuntimeError(f"bf16 matmul kernel failed (status {status})")
+        return out
+
+
+# kernels/decode_step.c `qlinear.kind`: the weight format of one projection
+QLINEAR_Q8, QLINEAR_Q4, QLINEAR_BF16 = 0, 1, 2
+
+
 class QLinearDesc(ctypes.Structure):
-    """kernels/decode_step.c `qlinear`: one quantized projection (m None: Q8)."""
+    """kernels/decode_step.c `qlinear`: one projection's weights (kind: QLINEAR_*; d and m
+    only for the quantized kinds, m only for Q4)."""
 
     _fields_ = [
         ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int), ("k", ctypes.c_int),
+        ("n", ctypes.c_int), ("k", ctypes.c_int), ("kind", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -310,6 +341,15 @@ def load_quant_matmul() -> QuantMatmul | None:
     if lib is None or not lib.quant_matmul_available():
         return None
     return QuantMatmul(lib)
+
+
+@functools.cache
+def load_bf16_matmul() -> Bf16Matmul | None:
+    """The bf16 small-step matmul, or None where it cannot run here (no AVX-512 BF16, no compiler)."""
+    lib = _library()
+    if lib is None or not lib.bf16_matmul_available():
+        return None
+    return Bf16Matmul(lib)
 
 
 @functools.cache

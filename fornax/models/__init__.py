@@ -48,12 +48,15 @@ def load_model(
     source: str | Path,
     dtype: str = "bfloat16",
     progress: bool = True,
-    small_step: tuple[str, int] | None = None,
+    small_step: tuple[str | None, int] | None = None,
     kernel_backend: str = "native",
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
-    small_step: (method, max_rows) of the quantized form for small steps; kernel_backend
-    "native" runs it on fornax's integer kernel where this CPU can (layers/linear.py)."""
+    small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
+    rows. method "int8" / "int4" / "auto" quantizes; kernel_backend "native" runs that on
+    fornax's integer kernel where this CPU can, and gives the Linears left dense (method None,
+    or float tensors under "auto") the native bf16 kernel in bf16 models (layers/linear.py).
+    None: torch's dense linear for every step."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
@@ -73,12 +76,16 @@ def load_model(
         model.load_weights(weights.tensors)
     model.eval()
     if small_step is not None and small_step[1] > 0:
+        method, max_rows = small_step
         if auto:
-            set_small_step_from_file(model, weights, small_step[1], kernel_backend)
-        else:
+            set_small_step_from_file(model, weights, max_rows, kernel_backend)
+        elif method is not None:
             for module in model.modules():
                 if isinstance(module, Linear):
-                    module.set_small_step_method(*small_step, kernel_backend)
+                    module.set_small_step_method(method, max_rows, kernel_backend)
+        for module in model.modules():
+            if isinstance(module, Linear) and module.small is None:
+                module.set_dense_small_step(max_rows, kernel_backend)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 

@@ -153,8 +153,12 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def has_small_step_forms(self) -> bool:
-        """Whether any projection has a quantized form for small steps (layers/linear.py)."""
+        """Whether any projection has a form of its own for small steps (layers/linear.py)."""
         return any(isinstance(m, Linear) and m.small is not None for m in self.modules())
+
+    def has_quantized_small_steps(self) -> bool:
+        """Whether any projection's small-step form is quantized (not the dense bf16 kernel)."""
+        return any(isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules())
 
     def use_ops(self, ops: LayerOps) -> None:
         """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""

@@ -4,9 +4,10 @@ A step whose every sequence has at most KERNEL_MAX_QUERIES new tokens (decodes, 
 verification) and at most `small_step_max_rows` rows in all runs every layer in one native
 call instead of ~360 module and kernel calls. It computes what the op-by-op native path
 computes, to the bit (tests/model/test_native_step.py), so the runner may pick either per
-step. Built only when every projection of the model has a native quantized form (BlockInt4 /
-BlockInt8) and no layer needs what the C step leaves out (Qwen3's per-head Q/K norms);
-`NativeStep.build` returns None otherwise and the model runs op by op.
+step. Built only when every projection of the model has a native small-step form (BlockInt4 /
+BlockInt8, or DenseBf16 in a dense bf16 model) and no layer needs what the C step leaves out
+(Qwen3's per-head Q/K norms); `NativeStep.build` returns None otherwise and the model runs op
+by op.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import ctypes
 import torch
 
 from fornax.layers.attention import AttentionMetadata
-from fornax.layers.linear import BlockInt4, BlockInt8, Linear
+from fornax.layers.linear import BlockInt4, BlockInt8, DenseBf16, Linear
 from fornax.layers.native import (
+    QLINEAR_BF16,
+    QLINEAR_Q4,
+    QLINEAR_Q8,
     DecodeStepKernel,
     DecoderLayerDesc,
     DecoderModelDesc,
@@ -35,13 +39,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _qlinear(linear: Linear) -> QLinearDesc | None:
     form = linear.small
     if isinstance(form, BlockInt4):
-        w, d, m = form.packed, form.d, form.m
+        w, d, m, kind = form.packed, form.d, form.m, QLINEAR_Q4
     elif isinstance(form, BlockInt8):
-        w, d, m = form.qweight, form.d, None
+        w, d, m, kind = form.qweight, form.d, None, QLINEAR_Q8
+    elif isinstance(form, DenseBf16):
+        w, d, m, kind = form.weight, None, None, QLINEAR_BF16
     else:
         return None
     bias = None if linear.bias is None else linear.bias.data
-    return QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features)
+    return QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features, kind)
 
 
 class NativeStep:

@@ -66,9 +66,10 @@ def _build(config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
     layers = draft.config.num_hidden_layers / target.loaded.config.num_hidden_layers
     cost = layers * QUANTIZED_STEP_COST.get(config.quantization or "", 1.0)
     if target.loaded.model.has_small_step_forms():
-        # The target's own small steps are quantized already (and run as one native call):
-        # the draft's op-by-op steps cost about as much as the target's, not a third
-        # (benchmarks/spec_decode.py --quantization auto: ~1.0, 2026-12-03).
+        # The target's own small steps run on native kernels already (quantized, or dense bf16
+        # streamed at full bandwidth), as one native call: the draft's op-by-op steps cost
+        # about as much as the target's, not a third (benchmarks/spec_decode.py
+        # --quantization auto: ~1.0, 2026-12-03).
         cost = layers
     shape = (target.num_blocks, target.block_size, target.dtype)
     return DraftModelProposer(draft, draft.config, *shape, kernel, cost, dense_fraction=layers)

@@ -3,7 +3,8 @@
 It calls the same kernels in the same order, so the claim is bit-equality, not closeness:
 the same greedy tokens and the same logprobs, to the last bit, on tiny random models of each
 family it covers (plain Llama, Llama 3 RoPE scaling with tied embeddings, Mistral's sliding
-window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights, for batches of
+window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights and with dense bf16
+weights (the native bf16 matmul), for batches of
 decodes, short prompts it prefills itself, and speculative verification rows. Qwen3's
 per-head Q/K norms are not in the C step: such a model must run op by op.
 """
@@ -41,7 +42,9 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
     return fused, op_by_op
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "int4"), ("float32", "int8"), ("bfloat16", "int8")])
+@pytest.mark.parametrize(
+    "dtype,quantization", [("bfloat16", "int4"), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", None)]
+)
 def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization):
     arch, path = tiny_dir
     fused, op_by_op = _pair(path, dtype=dtype, quantization=quantization)

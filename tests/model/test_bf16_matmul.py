@@ -1,0 +1,77 @@
+"""The native bf16 small-step matmul (kernels/bf16_matmul.c) against exact arithmetic.
+
+Each product of two bf16 values is exact in float32 and the kernel sums in float32, so its
+result is the exact dot product (computed here in float64) to float32 summation error, then
+rounded once to bf16: within one bf16 unit in the last place of the exact value. That is
+checked for every tile edge (weight rows not a multiple of the 4-row tile, activation rows
+not a multiple of the 4-row pass), strided activations, and the Linear that picks it by row
+count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fornax.layers.linear import DenseBf16, Linear
+from fornax.layers.native import load_bf16_matmul
+
+KERNEL = load_bf16_matmul()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 BF16 or no C compiler: torch's linear is used")
+
+
+def _assert_rounded_once(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = x.double() @ w.double().T
+    ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)  # bf16 keeps 8 significant bits
+    assert y.dtype == torch.bfloat16
+    assert bool(((y.double() - exact).abs() <= ulp + 1e-30).all()), (y.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("n", [1, 4, 7, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k", [32, 96])
+def test_matches_exact_product_rounded_once(n, rows, k):
+    gen = torch.Generator().manual_seed(n * 1000 + rows * 10 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    _assert_rounded_once(KERNEL(x, w), x, w)
+
+
+def test_strided_rows_and_agreement_with_torch():
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(6, 2 * 576, generator=gen).bfloat16()
+    x = wide[:, :576]  # a view with row stride 1152: read in place
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    y = KERNEL(x, w)
+    _assert_rounded_once(y, x, w)
+    # torch's bf16 linear sums in another order: the two may differ by one bf16 rounding
+    torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_rejects_what_it_cannot_read():
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError):
+        KERNEL(x.float(), torch.randn(8, 64).bfloat16())
+    with pytest.raises(ValueError):
+        KERNEL(x, torch.randn(64, 8).bfloat16().T)  # not contiguous
+    with pytest.raises(RuntimeError):
+        KERNEL(torch.randn(2, 48).bfloat16(), torch.randn(8, 48).bfloat16())  # width not a multiple of 32
+
+
+def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
+    lin = Linear(64, 40, bias=True, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    lin.weight.data.copy_(torch.randn(40, 64, generator=gen))
+    lin.bias.data.copy_(torch.randn(40, generator=gen))
+    lin.set_dense_small_step(max_rows=4)
+    assert isinstance(lin.small, DenseBf16) and lin.small.weight.data_ptr() == lin.weight.data_ptr()  # no copy
+    small, large = torch.randn(4, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(lin(small), KERNEL(small, lin.weight.data) + lin.bias, rtol=0, atol=0)
+    torch.testing.assert_close(lin(large), F.linear(large, lin.weight, lin.bias), rtol=0, atol=0)
+    fp32 = Linear(64, 40, bias=False, dtype=torch.float32)
+    fp32.set_dense_small_step(max_rows=4)
+    assert fp32.small is None  # float32 models keep torch's linear: HF parity is checked there
+    torch_backend = Linear(64, 40, bias=False, dtype=torch.bfloat16)
+    torch_backend.set_dense_small_step(max_rows=4, backend="torch")
+    assert torch_backend.small is None
