@@ -193,11 +193,15 @@ def paged_attention(
     if kr is not None and kr.token_index is None:  # every row is short: one kernel call
         return kr.kernel(q, k_cache, v_cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window)
     if len(meta.groups) == 1 and meta.groups[0].kv_slots is None and kr is None:
-        # Single fresh prompt: no padding anywhere, attend over the new tokens directly.
+        # Single fresh prompt: no padding anywhere, attend over the new tokens directly. The
+        # batch dimension matters: given 3-D [H, T, D] inputs, SDPA on CPU takes its math path
+        # (materialised scores, safe softmax), ~4x slower at 512 tokens than its flash kernel
+        # for [1, H, T, D]; that was ~60% of a 512-token prefill (torch.profiler, 2026-12-03).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=gqa
-        )  # [H, T, D]
-        return out.transpose(0, 1)
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )  # [1, H, T, D]
+        return out[0].transpose(0, 1)
     out = torch.empty_like(q)
     if kr is not None:
         out[kr.token_index] = kr.kernel(
