@@ -13,18 +13,31 @@
  *
  * Rows may be strided (views into a fused projection's output); elements within a row are
  * contiguous. Outputs are contiguous [rows, dim] unless noted.
+ *
+ * With AVX-512 the loops run 16 values at a time (vec512.h), with the same roundings; only
+ * SiLU's exp is a polynomial instead of libm's (float32 rounding either way) and the norm's
+ * sum of squares is summed in 16 lanes. Scalar, SiLU * up took ~10x torch's time at 512 rows
+ * and the three ops ~160 ms of a 512-token prefill (30 layers).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "vec512.h"
+
+/* VEC_ONLY(code): the AVX-512 loop where there is one; the scalar loops after it take the rest. */
+#if HAVE_VEC512
+#define VEC_ONLY(...) __VA_ARGS__
+#else
+#define VEC_ONLY(...)
+#endif
 
 /* Rows below this are done on one thread: waking the pool costs more than the work. */
 #define PARALLEL_MIN_ROWS 16
 
 /* s = x + residual (stored when residual is given), y = w * cast(s * rsqrt(mean(s^2) + eps)). */
-#define DEFINE_RMS_NORM(NAME, T, LOAD, ROUND, STORE)                                             \
+#define DEFINE_RMS_NORM(NAME, T, LOAD, ROUND, STORE, V)                                          \
     void NAME(const T *x, long x_stride, const T *residual, long r_stride, T *sum_out,           \
               const T *weight, T *out, int rows, int dim, float eps, int num_threads) {          \
         _Pragma("omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)")      \
@@ -33,26 +46,43 @@
             T *sr = sum_out ? sum_out + (long)r * dim : 0;                                       \
             T *o = out + (long)r * dim;                                                          \
             float ss = 0.f;                                                                      \
+            int i = 0;                                                                           \
+            VEC_ONLY(__m512 ssv = _mm512_setzero_ps();)                                          \
             if (residual) {                                                                      \
                 const T *rr = residual + r * r_stride;                                           \
-                for (int i = 0; i < dim; i++) {                                                  \
+                VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                        \
+                    const __m512 s = vround_##V(_mm512_add_ps(vload_##V(xr + i), vload_##V(rr + i))); \
+                    vstore_##V(sr + i, s);                                                       \
+                    ssv = _mm512_fmadd_ps(s, s, ssv);                                            \
+                })                                                                               \
+                for (; i < dim; i++) {                                                           \
                     const float s = ROUND(LOAD(xr, i) + LOAD(rr, i));                            \
                     STORE(sr, i, s);                                                             \
                     ss += s * s;                                                                 \
                 }                                                                                \
                 xr = sr;                                                                         \
             } else {                                                                             \
-                for (int i = 0; i < dim; i++) { const float v = LOAD(xr, i); ss += v * v; }      \
+                VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                        \
+                    const __m512 v = vload_##V(xr + i);                                          \
+                    ssv = _mm512_fmadd_ps(v, v, ssv);                                            \
+                })                                                                               \
+                for (; i < dim; i++) { const float v = LOAD(xr, i); ss += v * v; }               \
             }                                                                                    \
+            VEC_ONLY(ss += _mm512_reduce_add_ps(ssv);)                                           \
             const float inv = 1.f / sqrtf(ss / dim + eps);                                       \
-            for (int i = 0; i < dim; i++)                                                        \
+            i = 0;                                                                               \
+            VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                            \
+                const __m512 v = vround_##V(_mm512_mul_ps(vload_##V(xr + i), _mm512_set1_ps(inv))); \
+                vstore_##V(o + i, vround_##V(_mm512_mul_ps(vload_##V(weight + i), v)));         \
+            })                                                                                   \
+            for (; i < dim; i++)                                                                 \
                 STORE(o, i, ROUND(LOAD(weight, i) * ROUND(LOAD(xr, i) * inv)));                  \
         }                                                                                        \
     }
 
 /* In place, half-split layout (HF's rotate_half): for each of the first num_heads heads of
  * every row, x = x * cos + cat(-x2, x1) * sin, cos/sin [rows, head_dim] contiguous. */
-#define DEFINE_ROTARY(NAME, T, LOAD, ROUND, STORE)                                               \
+#define DEFINE_ROTARY(NAME, T, LOAD, ROUND, STORE, V)                                             \
     void NAME(T *x, long x_stride, int rows, int num_heads, int head_dim, const T *cos,          \
               const T *sin, int num_threads) {                                                   \
         const int half = head_dim / 2;                                                           \
@@ -61,7 +91,17 @@
             const T *c = cos + (long)r * head_dim, *s = sin + (long)r * head_dim;                \
             for (int h = 0; h < num_heads; h++) {                                                \
                 T *v = x + r * x_stride + (long)h * head_dim;                                    \
-                for (int i = 0; i < half; i++) {                                                 \
+                int i = 0;                                                                       \
+                VEC_ONLY(for (; i + 16 <= half; i += 16) {                                       \
+                    const __m512 a = vload_##V(v + i), b = vload_##V(v + i + half);              \
+                    const __m512 ac = vround_##V(_mm512_mul_ps(a, vload_##V(c + i)));            \
+                    const __m512 bs = vround_##V(_mm512_mul_ps(b, vload_##V(s + i)));            \
+                    const __m512 bc = vround_##V(_mm512_mul_ps(b, vload_##V(c + i + half)));     \
+                    const __m512 as = vround_##V(_mm512_mul_ps(a, vload_##V(s + i + half)));     \
+                    vstore_##V(v + i, vround_##V(_mm512_sub_ps(ac, bs)));                        \
+                    vstore_##V(v + i + half, vround_##V(_mm512_add_ps(bc, as)));                 \
+                })                                                                               \
+                for (; i < half; i++) {                                                          \
                     const float a = LOAD(v, i), b = LOAD(v, i + half);                           \
                     const float lo = ROUND(ROUND(a * LOAD(c, i)) + ROUND(-b * LOAD(s, i)));      \
                     const float hi = ROUND(ROUND(b * LOAD(c, i + half)) + ROUND(a * LOAD(s, i + half))); \
@@ -73,22 +113,29 @@
     }
 
 /* out = silu(gate) * up, gate = row[0:inter], up = row[inter:2*inter]. */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, ROUND, STORE)                                             \
+#define DEFINE_SILU_MUL(NAME, T, LOAD, ROUND, STORE, V)                                           \
     void NAME(const T *gate_up, long stride, T *out, int rows, int inter, int num_threads) {     \
         _Pragma("omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)")      \
         for (int r = 0; r < rows; r++) {                                                         \
             const T *g = gate_up + r * stride, *u = g + inter;                                   \
             T *o = out + (long)r * inter;                                                        \
-            for (int i = 0; i < inter; i++) {                                                    \
+            int i = 0;                                                                           \
+            VEC_ONLY(for (; i + 16 <= inter; i += 16) {                                          \
+                const __m512 v = vload_##V(g + i);                                               \
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));                  \
+                const __m512 act = vround_##V(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e))); \
+                vstore_##V(o + i, vround_##V(_mm512_mul_ps(act, vload_##V(u + i))));            \
+            })                                                                                   \
+            for (; i < inter; i++) {                                                             \
                 const float v = LOAD(g, i);                                                      \
                 STORE(o, i, ROUND(ROUND(v / (1.f + expf(-v))) * LOAD(u, i)));                   \
             }                                                                                    \
         }                                                                                        \
     }
 
-DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, ROUND_F32, STORE_F32)
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16)
-DEFINE_ROTARY(rotary_f32, float, LOAD_F32, ROUND_F32, STORE_F32)
-DEFINE_ROTARY(rotary_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16)
-DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, ROUND_F32, STORE_F32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16)
+DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)
+DEFINE_ROTARY(rotary_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
+DEFINE_ROTARY(rotary_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)

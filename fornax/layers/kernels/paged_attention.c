@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec512.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -74,23 +75,6 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 
 /* s[j] = exp(s[j] - max(s)) in place; returns the sum and stores the max in *mx_out. Scalar
  * expf was most of a long row's time: 9 heads x 2,048 keys of libm calls per layer. */
-#if defined(__AVX512F__)
-static inline __m512 exp512(__m512 x) {
-    /* exp(x) = 2^n * 2^f, n = round(x / ln 2), |f| <= 1/2; 2^f by a degree-6 polynomial
-     * (relative error ~2e-7, below float's own rounding of the softmax that follows). */
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
     float mx = -INFINITY, total = 0.f;
