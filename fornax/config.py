@@ -216,7 +216,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
     # Weight form for steps of at most `small_step_max_rows` tokens (decode-heavy steps):
-    # None keeps the dense weights everywhere (exact); "int8"/"int4" use weight-only
+    # None keeps the dense weights everywhere (not quantized; a bf16 model's small steps read
+    # them through the native bf16 kernel where it runs); "int8"/"int4" use weight-only
     # quantized kernels there; "auto": what the GGUF file carries (its own Q4 blocks become
     # int4, 5-8-bit types int8, float tensors stay dense; models/__init__.py). Larger steps
     # always use the dense weights (bf16 wins there).

@@ -206,6 +206,13 @@ class DenseBf16:
         return self.kernel(x, self.weight)
 
 
+# DenseBf16 serves steps of up to this many rows (or small_step_max_rows, if larger), in dense
+# models and, past the quantized forms' limit, in quantized ones: with the one-call step it
+# was ahead of oneDNN at every batch measured, 2.9x at 1 row and 1.16-1.18x at 32-64
+# (benchmarks/decode_step.py --quantization none, 2026-12-03).
+DENSE_BF16_MAX_ROWS = 64
+
+
 def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
     """The native bf16 kernel when `backend` asks for it, it runs on this CPU, and `weight`
     is a contiguous bf16 matrix whose width is a multiple of 32; None: torch's linear."""
@@ -235,6 +242,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.small: LinearMethod | None = None
         self.small_max_rows = 0
+        # A second tier past the quantized one: the native bf16 kernel on the dense weight, for
+        # steps above small_max_rows and up to mid_max_rows, where it still beats oneDNN.
+        self.mid: DenseBf16 | None = None
+        self.mid_max_rows = 0
 
     def set_small_step_method(self, method: str, max_rows: int, backend: str = "native") -> None:
         """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest):
@@ -250,13 +261,23 @@ class Linear(nn.Module):
 
     def set_dense_small_step(self, max_rows: int, backend: str = "native") -> None:
         """Serve inputs of at most `max_rows` rows from the native bf16 kernel, where it runs
-        (bf16 weights, AVX-512 BF16, `backend` "native"); otherwise nothing changes."""
+        (bf16 weights, AVX-512 BF16, `backend` "native"); otherwise nothing changes. With a
+        quantized small form already set, it takes the rows between that form's limit and
+        `max_rows` (the mid tier)."""
         kernel = dense_matmul_for(self.weight.data, backend)
-        if kernel is not None:
+        if kernel is None:
+            return
+        if self.small is None:
             self.set_small(DenseBf16(self.weight.data, kernel), max_rows)
+        elif max_rows > self.small_max_rows:
+            self.mid, self.mid_max_rows = DenseBf16(self.weight.data, kernel), max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= self.small_max_rows:
+        rows = x.shape[0]
+        if self.small is not None and rows <= self.small_max_rows:
             y = self.small(x)
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.weight, self.bias)
+        elif self.mid is not None and rows <= self.mid_max_rows:
+            y = self.mid(x)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return y + self.bias if self.bias is not None else y

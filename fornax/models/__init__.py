@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
-from fornax.layers.linear import BlockInt4, Int4Grouped, Linear, native_matmul_for
+from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
@@ -83,9 +83,9 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.set_small_step_method(method, max_rows, kernel_backend)
-        for module in model.modules():
-            if isinstance(module, Linear) and module.small is None:
-                module.set_dense_small_step(max_rows, kernel_backend)
+        for module in model.modules():  # dense bf16 forms: alone, or past the quantized limit
+            if isinstance(module, Linear):
+                module.set_dense_small_step(max(max_rows, DENSE_BF16_MAX_ROWS), kernel_backend)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 

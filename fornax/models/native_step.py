@@ -5,9 +5,9 @@ verification) and at most `small_step_max_rows` rows in all runs every layer in 
 call instead of ~360 module and kernel calls. It computes what the op-by-op native path
 computes, to the bit (tests/model/test_native_step.py), so the runner may pick either per
 step. Built only when every projection of the model has a native small-step form (BlockInt4 /
-BlockInt8, or DenseBf16 in a dense bf16 model) and no layer needs what the C step leaves out
-(Qwen3's per-head Q/K norms); `NativeStep.build` returns None otherwise and the model runs op
-by op.
+BlockInt8, or DenseBf16 in a dense bf16 model; in a quantized bf16 model DenseBf16 is a
+second tier for larger steps) and no layer needs what the C step leaves out (Qwen3's
+per-head Q/K norms); `NativeStep.build` returns None otherwise and the model runs op by op.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _qlinear(linear: Linear) -> QLinearDesc | None:
-    form = linear.small
+def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:
+    """`form` (one of linear's small-step forms) as the C step's descriptor; None if it has none."""
     if isinstance(form, BlockInt4):
         w, d, m, kind = form.packed, form.d, form.m, QLINEAR_Q4
     elif isinstance(form, BlockInt8):
@@ -51,38 +51,60 @@ def _qlinear(linear: Linear) -> QLinearDesc | None:
 
 
 class NativeStep:
-    def __init__(
-        self, kernel: DecodeStepKernel, model: LlamaForCausalLM, layers: list[DecoderLayerDesc], kv_cache: KVCache
-    ) -> None:
+    """Up to two tiers, as the linears have them: the small forms (quantized, or dense bf16 in a
+    dense model) up to their row limit, then the dense bf16 mid forms up to theirs. A step
+    takes the first tier its rows fit, as every projection op by op would."""
+
+    def __init__(self, kernel: DecodeStepKernel, model: LlamaForCausalLM, tiers: list[tuple[int, list]], kv_cache: KVCache) -> None:
         c = model.config
         self.kernel, self.model = kernel, model
         self._kv_cache = kv_cache  # the descriptors point into its pools
-        self._layers = (DecoderLayerDesc * len(layers))(*layers)  # kept alive with the pointers in it
         first = model.layers[0].self_attn
-        self.desc = DecoderModelDesc(
-            self._layers, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
-            c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
-            c.rms_norm_eps, first.scale,
-        )  # fmt: skip
-        # The step may only take rows that every projection would also take in its small form.
-        self.max_rows = min(m.small_max_rows for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+        self._layer_arrays = []  # kept alive with the pointers in the descriptors
+        self.tiers: list[tuple[int, DecoderModelDesc]] = []
+        for max_rows, layers in tiers:
+            array = (DecoderLayerDesc * len(layers))(*layers)
+            self._layer_arrays.append(array)
+            desc = DecoderModelDesc(
+                array, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
+                c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
+                c.rms_norm_eps, first.scale,
+            )  # fmt: skip
+            self.tiers.append((max_rows, desc))
+        self.max_rows = max(rows for rows, _ in self.tiers)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_cache: KVCache) -> NativeStep | None:
         kernel = load_decode_step()
         if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm:
             return None
+        linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+        tiers = []
+        for attr in ("small", "mid"):
+            limits = {getattr(m, f"{attr}_max_rows") for m in linears}
+            # one limit for every projection, so a step's tier is what each would pick op by op
+            if len(limits) != 1 or (tiers and limits.pop() <= tiers[-1][0]):
+                break
+            layers = cls._layer_descs(model, kv_cache, attr)
+            if layers is None:
+                break
+            tiers.append((getattr(linears[0], f"{attr}_max_rows"), layers))
+        return cls(kernel, model, tiers, kv_cache) if tiers else None
+
+    @staticmethod
+    def _layer_descs(model: LlamaForCausalLM, kv_cache: KVCache, attr: str) -> list[DecoderLayerDesc] | None:
         layers = []
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [_qlinear(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projections = [_qlinear(x, getattr(x, attr)) for x in linears]
             if any(p is None for p in projections):
                 return None
             layers.append(DecoderLayerDesc(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), *projections,
                 _ptr(kv_cache.k[i]), _ptr(kv_cache.v[i]),
             ))  # fmt: skip
-        return cls(kernel, model, layers, kv_cache)
+        return layers
 
     def covers(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         kr = meta.kernel_rows
@@ -92,6 +114,7 @@ class NativeStep:
         """Hidden states after the final norm, [T, hidden], as LlamaForCausalLM.forward returns."""
         kr = meta.kernel_rows
         assert kr is not None
+        desc = next(d for rows, d in self.tiers if input_ids.shape[0] <= rows)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
         slots = meta.slot_mapping
@@ -99,4 +122,4 @@ class NativeStep:
             slots.data_ptr(), kr.block_tables.data_ptr(), kr.row_seq.data_ptr(), kr.row_pos.data_ptr(),
             x.shape[0], kr.block_tables.shape[1],
         )  # fmt: skip
-        return self.kernel(self.desc, x, cos.contiguous(), sin.contiguous(), rows)
+        return self.kernel(desc, x, cos.contiguous(), sin.contiguous(), rows)

@@ -46,8 +46,10 @@ def make_self_draft(
     # maps to itself, so the copy owns new Module objects over the very same tensors.
     memo: dict[int, object] = {id(t): t for t in list(target.parameters()) + list(target.buffers())}
     for module in target.modules():
-        if isinstance(module, Linear) and module.small is not None:
-            memo[id(module.small)] = module.small
+        if isinstance(module, Linear):
+            for form in (module.small, module.mid):
+                if form is not None:
+                    memo[id(form)] = form
     draft = copy.deepcopy(target, memo)
     draft.layers = nn.ModuleList(list(draft.layers)[:num_layers])
     draft.config = replace(target.config, num_hidden_layers=num_layers, name=f"{target.config.name}-draft")

@@ -75,3 +75,19 @@ def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
     torch_backend = Linear(64, 40, bias=False, dtype=torch.bfloat16)
     torch_backend.set_dense_small_step(max_rows=4, backend="torch")
     assert torch_backend.small is None
+
+
+def test_mid_tier_between_a_quantized_form_and_torch():
+    from fornax.layers.linear import Int4Grouped
+
+    lin = Linear(64, 48, bias=False, dtype=torch.bfloat16)  # torch's int4 packing wants N % 16 == 0
+    lin.weight.data.copy_(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+    lin.set_small(Int4Grouped(lin.weight.data), max_rows=2)
+    lin.set_dense_small_step(max_rows=2)  # not past the quantized limit: no mid tier
+    assert lin.mid is None
+    lin.set_dense_small_step(max_rows=4)
+    assert isinstance(lin.mid, DenseBf16) and lin.mid_max_rows == 4
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(lin(x[:2]), lin.small(x[:2]), rtol=0, atol=0)  # rows <= 2: int4
+    torch.testing.assert_close(lin(x[:4]), KERNEL(x[:4], lin.weight.data), rtol=0, atol=0)  # 3-4: bf16 kernel
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=0, atol=0)  # more: torch

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from fornax import LLM, SamplingParams
+from fornax.layers.linear import DENSE_BF16_MAX_ROWS, DenseBf16, Linear
 from fornax.layers.native import load_decode_step
 from tests.model.tiny_models import build_tiny_model
 
@@ -43,15 +44,32 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization", [("bfloat16", "int4"), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", None)]
+    "dtype,quantization,small_rows",
+    [
+        ("bfloat16", "int4", 24),
+        ("float32", "int8", 24),
+        ("bfloat16", "int8", 24),
+        ("bfloat16", None, 24),
+        ("bfloat16", "int4", 2),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
+    ],
 )
-def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization):
+def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows):
     arch, path = tiny_dir
-    fused, op_by_op = _pair(path, dtype=dtype, quantization=quantization)
+    fused, op_by_op = _pair(path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows)
     if arch == "qwen3":
         assert fused.engine.runner.native_step is None
         return
     assert fused.engine.runner.native_step is not None
+    linears = [m for m in fused.engine.runner.model.modules() if isinstance(m, Linear)]
+    step = fused.engine.runner.native_step
+    if quantization is None:  # dense bf16: the native bf16 form, to its own row limit
+        assert all(isinstance(m.small, DenseBf16) and m.small_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
+        assert [rows for rows, _ in step.tiers] == [DENSE_BF16_MAX_ROWS]
+    elif dtype == "bfloat16":  # quantized up to small_rows, then the bf16 tier
+        assert all(isinstance(m.mid, DenseBf16) and m.mid_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
+        assert [rows for rows, _ in step.tiers] == [small_rows, DENSE_BF16_MAX_ROWS]
+    else:  # float32 weights: no bf16 tier
+        assert all(m.mid is None for m in linears) and [rows for rows, _ in step.tiers] == [small_rows]
     calls = _count_calls(fused)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
     a, b = fused.generate(PROMPTS, params), op_by_op.generate(PROMPTS, params)
