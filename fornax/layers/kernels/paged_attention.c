@@ -13,7 +13,11 @@
  * keys 0..row_pos[r] (or the last `window` of them). Output rows are contiguous.
  *
  * Math is float32 throughout; bf16 is converted on load and rounded to nearest even on
- * store. Work items are (row, KV-head chunk, key part) triples (see DEFINE_PAGED_ATTENTION);
+ * store, except the bf16 scores: AVX-512 BF16 dot products of the bf16 query and key (exact
+ * products, float32 sums), scaled after the sum (key_scores_bf16). With that and the value
+ * pass done per KV head for its whole query group (pv_group), one layer of a lone
+ * 2,000-key decode took ~25% less time (30 layers, K/V from memory: 3.3-3.8 vs 4.2-5.1 ms;
+ * ad hoc A/B of builds side by side). Work items are (row, KV-head chunk, key part) triples (see DEFINE_PAGED_ATTENTION);
  * the query heads that share a KV head are handled together so each K/V row is loaded once
  * for all of them.
  */
@@ -140,12 +144,104 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 DEFINE_PV_TILE(pv_tile_bf16, uint16_t, load16_bf16, LOAD_BF16)
 DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
 
+/* The value pass for all `group` query heads of one KV head at once: each V row is loaded
+ * (and converted) once for the group instead of once per head, with the same per-head
+ * multiply-adds in the same order as pv_tile. G is a constant at each call (pv_group's
+ * switch), so the accumulators stay in registers. w: the group's first head's weights,
+ * w_stride apart per head; acc: the group's [G][head_dim] accumulators. */
+#if defined(__AVX512F__)
+#define MAX_PV_GROUP 8
+#define DEFINE_PV_GROUP(NAME, T, LOAD16)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_g(                                 \
+        const int G, float *acc, const float *w, long w_stride, const T *v, long stride,         \
+        int count, int head_dim) {                                                               \
+        for (int c = 0; c < head_dim; c += 32) {                                                 \
+            __m512 a0[MAX_PV_GROUP], a1[MAX_PV_GROUP];                                           \
+            for (int g = 0; g < G; g++) {                                                        \
+                a0[g] = _mm512_loadu_ps(acc + (long)g * head_dim + c);                           \
+                a1[g] = _mm512_loadu_ps(acc + (long)g * head_dim + c + 16);                      \
+            }                                                                                    \
+            for (int t = 0; t < count; t++) {                                                    \
+                const __m512 v0 = LOAD16(v + t * stride + c), v1 = LOAD16(v + t * stride + c + 16); \
+                for (int g = 0; g < G; g++) {                                                    \
+                    const __m512 wt = _mm512_set1_ps(w[g * w_stride + t]);                       \
+                    a0[g] = _mm512_fmadd_ps(wt, v0, a0[g]);                                      \
+                    a1[g] = _mm512_fmadd_ps(wt, v1, a1[g]);                                      \
+                }                                                                                \
+            }                                                                                    \
+            for (int g = 0; g < G; g++) {                                                        \
+                _mm512_storeu_ps(acc + (long)g * head_dim + c, a0[g]);                           \
+                _mm512_storeu_ps(acc + (long)g * head_dim + c + 16, a1[g]);                      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    /* 1 when done; 0: the caller runs pv_tile per head (head_dim not a multiple of 32, or a   \
+     * group larger than MAX_PV_GROUP) */                                                       \
+    static inline int NAME(int group, float *acc, const float *w, long w_stride, const T *v,     \
+                           long stride, int count, int head_dim) {                              \
+        if (head_dim % 32) return 0;                                                             \
+        switch (group) {                                                                         \
+        case 1: NAME##_g(1, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 2: NAME##_g(2, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 3: NAME##_g(3, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 4: NAME##_g(4, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 5: NAME##_g(5, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 6: NAME##_g(6, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 7: NAME##_g(7, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 8: NAME##_g(8, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        default: return 0;                                                                       \
+        }                                                                                        \
+    }
+#else
+#define DEFINE_PV_GROUP(NAME, T, LOAD16)                                                         \
+    static inline int NAME(int group, float *acc, const float *w, long w_stride, const T *v,     \
+                           long stride, int count, int head_dim) {                              \
+        (void)group, (void)acc, (void)w, (void)w_stride, (void)v, (void)stride, (void)count,     \
+            (void)head_dim;                                                                      \
+        return 0;                                                                                \
+    }
+#endif
+DEFINE_PV_GROUP(pv_group_bf16, uint16_t, load16_bf16)
+DEFINE_PV_GROUP(pv_group_f32, float, load16_f32)
+
+/* Scores of one key for the query heads of KV heads [kvh0, kvh0 + nkv), bf16 K against the
+ * bf16 queries as they are, with AVX-512 BF16 dot products (each product exact in float32,
+ * float32 sums) and the softmax scale applied to the sum: no conversion of K to float32,
+ * which with the dot products was most of the score pass. k: the key's row at kvh0; q: the
+ * query row at the first head. Returns 0 where it cannot run (the caller then converts). */
+static inline int key_scores_bf16(const uint16_t *k, const uint16_t *q, int nkv, int group, int head_dim,
+                                  float scale, float *scores, long n, int j) {
+#if defined(__AVX512BF16__)
+    if (head_dim % 32) return 0;
+    for (int kh = 0; kh < nkv; kh++) {
+        const uint16_t *kr = k + (long)kh * head_dim;
+        for (int g = 0; g < group; g++) {
+            const int h = kh * group + g;
+            const uint16_t *qh = q + (long)h * head_dim;
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < head_dim; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + d), (__m512bh)_mm512_loadu_si512(kr + d));
+            scores[(long)h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    return 1;
+#else
+    (void)k, (void)q, (void)nkv, (void)group, (void)head_dim, (void)scale, (void)scores, (void)n, (void)j;
+    return 0;
+#endif
+}
+static inline int key_scores_f32(const float *k, const float *q, int nkv, int group, int head_dim, float scale,
+                                 float *scores, long n, int j) {
+    (void)k, (void)q, (void)nkv, (void)group, (void)head_dim, (void)scale, (void)scores, (void)n, (void)j;
+    return 0; /* float32 caches take the converting path: it is a plain float dot product there */
+}
+
 /* Attention of query row r for KV heads [kvh0, kvh1) over keys [k0, k1): all their query
  * heads are scored against each K row in one pass, so a token's K/V row is read once. The
  * result is left unnormalised: per head the running max m, the sum of exp(score - m), and
  * acc = sum of exp(score - m) * V, so parts of one row's keys can be merged afterwards.
  * Returns nonzero when out of memory. */
-#define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, PV_TILE)                                                           \
+#define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, PV_TILE, KEY_SCORES, PV_GROUP)                    \
     static int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache,           \
                     const int32_t *table, int k0, int k1, int r, int kvh0, int kvh1,             \
                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,  \
@@ -176,6 +272,9 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
                 prefetch_bytes(v_cache + pf, row_bytes);                                         \
                 if (++pf_off == block_size) { pf_off = 0; pf_blk++; }                           \
             }                                                                                    \
+            if (KEY_SCORES(k_cache + slot * kv_row + (long)kvh0 * head_dim, q + r * q_row_stride + h0 * head_dim, \
+                           kvh1 - kvh0, group, head_dim, scale, scores, n, j))                    \
+                continue;                                                                        \
             for (int kh = kvh0; kh < kvh1; kh++) {                                               \
                 const T *kr = k_cache + slot * kv_row + (long)kh * head_dim;                     \
                 TO_F32(kv, kr, head_dim);                                                        \
@@ -192,6 +291,9 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
             const long slot = (long)table[blk] * block_size + off;                               \
             for (int kh = kvh0; kh < kvh1; kh++) {                                               \
                 const T *vr = v_cache + slot * kv_row + (long)kh * head_dim;                     \
+                const int h0k = (kh - kvh0) * group;                                             \
+                if (PV_GROUP(group, acc + (long)h0k * head_dim, scores + (long)h0k * n + j, n, vr, kv_row, run, head_dim)) \
+                    continue;                                                                    \
                 for (int g = 0; g < group; g++) {                                                \
                     const int h = (kh - kvh0) * group + g;                                       \
                     PV_TILE(acc + (long)h * head_dim, scores + (long)h * n + j, vr, kv_row, run, head_dim); \
@@ -285,7 +387,7 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
         return failed ? 2 : 0;                                                                   \
     }
 
-DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, pv_tile_f32)
-DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, pv_tile_bf16)
+DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, pv_tile_f32, key_scores_f32, pv_group_f32)
+DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, pv_tile_bf16, key_scores_bf16, pv_group_bf16)
 DEFINE_PAGED_ATTENTION(paged_attention_f32, row_part_f32, float, STORE_F32)
 DEFINE_PAGED_ATTENTION(paged_attention_bf16, row_part_bf16, uint16_t, STORE_BF16)
