@@ -17,9 +17,9 @@
  * products, float32 sums), scaled after the sum (key_scores_bf16). With that and the value
  * pass done per KV head for its whole query group (pv_group), one layer of a lone
  * 2,000-key decode took ~25% less time (30 layers, K/V from memory: 3.3-3.8 vs 4.2-5.1 ms;
- * ad hoc A/B of builds side by side). Work items are (row, KV-head chunk, key part) triples (see DEFINE_PAGED_ATTENTION);
- * the query heads that share a KV head are handled together so each K/V row is loaded once
- * for all of them.
+ * ad hoc A/B of builds side by side). Work items are (row, KV-head chunk, key part)
+ * triples (see DEFINE_PAGED_ATTENTION); the query heads that share a KV head are handled
+ * together so each K/V row is loaded once for all of them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,10 +28,6 @@
 
 #include "bf16.h"
 #include "vec512.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 /* Ask for `bytes` from p on into the cache ahead of use. A sequence's K/V rows are scattered
  * by block, so the hardware prefetcher loses the stream at every block boundary; with the
@@ -49,10 +45,7 @@ static inline void prefetch_bytes(const void *p, long bytes) {
 static inline void row_to_f32_bf16(float *dst, const uint16_t *src, int n) {
 #if defined(__AVX512F__)
     if (n % 16 == 0) {
-        for (int d = 0; d < n; d += 16) {
-            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
-            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        }
+        for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, vload_bf16(src + d));
         return;
     }
 #endif
@@ -109,11 +102,6 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
  * block run at once, so the accumulator stays in registers across them (an axpy per key
  * stored and reloaded it every key: a store-to-load chain that dominated the V pass). */
 #if defined(__AVX512F__)
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
     static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
                             int head_dim) {                                                      \
@@ -141,8 +129,8 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
             for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
     }
 #endif
-DEFINE_PV_TILE(pv_tile_bf16, uint16_t, load16_bf16, LOAD_BF16)
-DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
+DEFINE_PV_TILE(pv_tile_bf16, uint16_t, vload_bf16, LOAD_BF16)
+DEFINE_PV_TILE(pv_tile_f32, float, vload_f32, LOAD_F32)
 
 /* The value pass for all `group` query heads of one KV head at once: each V row is loaded
  * (and converted) once for the group instead of once per head, with the same per-head
@@ -201,8 +189,8 @@ DEFINE_PV_TILE(pv_tile_f32, float, load16_f32, LOAD_F32)
         return 0;                                                                                \
     }
 #endif
-DEFINE_PV_GROUP(pv_group_bf16, uint16_t, load16_bf16)
-DEFINE_PV_GROUP(pv_group_f32, float, load16_f32)
+DEFINE_PV_GROUP(pv_group_bf16, uint16_t, vload_bf16)
+DEFINE_PV_GROUP(pv_group_f32, float, vload_f32)
 
 /* Scores of one key for the query heads of KV heads [kvh0, kvh0 + nkv), bf16 K against the
  * bf16 queries as they are, with AVX-512 BF16 dot products (each product exact in float32,
