@@ -20,9 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fornax.layers.native import load_bf16_matmul
+from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+from fornax.layers.native import load_bf16_matmul
 
 
 def main() -> None:
@@ -34,10 +34,10 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the native bf16 kernel does not run here (no AVX-512 BF16 or no C compiler)")
     torch.manual_seed(0)
-    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES * args.layers + [(49152, 576)]]
+    weights = [torch.randn(n, k).bfloat16() for n, k in LAYER_SHAPES * args.layers + [HEAD_SHAPE]]
     print(f"{'rows':>4}  {'torch ms':>9}  {'native ms':>9}  {'torch / native':>14}")
     for rows in map(int, args.rows.split(",")):
-        xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES}
+        xs = {k: torch.randn(rows, k).bfloat16() for _, k in LAYER_SHAPES}
         runs: dict[str, list[float]] = {"torch": [], "native": []}
         for _ in range(7):
             for name, fn in (("torch", F.linear), ("native", kernel)):

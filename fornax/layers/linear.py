@@ -194,8 +194,9 @@ class BlockInt8:
 
 class DenseBf16:
     """The dense bf16 weight itself, through the native bf16 kernel (kernels/bf16_matmul.c):
-    for small steps of bf16 models without a quantized form. Holds the Linear's weight tensor,
-    so it costs no memory."""
+    the small-step form of bf16 Linears without a quantized one, and the mid tier past the
+    quantized form's limit of those with one. Holds the Linear's weight tensor, so it costs
+    no memory."""
 
     quantized = False
 
