@@ -29,7 +29,7 @@ import pstats
 import time
 
 from fornax import LLM, SamplingParams
-from fornax.layers.native import Bf16Matmul, DecodeStepKernel, PagedAttentionKernel, QuantMatmul
+from fornax.layers.native import Bf16Matmul, DecodeStepKernel, Int8Matmul, PagedAttentionKernel, QuantMatmul
 
 
 def _call_of(cls: type) -> tuple[str, str, int]:
@@ -43,7 +43,7 @@ PARTS = [
     ("matmuls", [("~", "<built-in method torch._C._nn.linear>"),
                  ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
                  ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul),
-                 _call_of(Bf16Matmul)], False),
+                 _call_of(Bf16Matmul), _call_of(Int8Matmul)], False),
     ("attention", [_call_of(PagedAttentionKernel), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
     ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")], True),
     ("sampling", [("sample/sampler.py", "__call__")], True),
@@ -60,9 +60,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--quantization", default="auto", help="none, int8, int4 or auto")
+    ap.add_argument("--large-step-quantization", default=None, help="w8a8: int8 x int8 for large steps")
+    ap.add_argument("--small-step-max-rows", type=int, default=None)
     args = ap.parse_args()
     quant = None if args.quantization == "none" else args.quantization
-    llm = LLM(args.model, quantization=quant, progress=False)
+    rows = {} if args.small_step_max_rows is None else {"small_step_max_rows": args.small_step_max_rows}
+    llm = LLM(args.model, quantization=quant, large_step_quantization=args.large_step_quantization, progress=False, **rows)
     engine = llm.engine
     params = SamplingParams(max_tokens=2 * args.steps + 20, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):

@@ -14,6 +14,7 @@ from fornax.config import (
     DEFAULT_MODEL,
     CacheConfig,
     ConfigError,
+    EngineConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -30,8 +31,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "auto"],
                    help="weight-only quantized kernels for small (decode) steps (auto: the GGUF's own); default: dense")  # fmt: skip
-    p.add_argument("--small-step-max-rows", type=int, default=24,
+    p.add_argument("--small-step-max-rows", type=int, default=EngineConfig.small_step_max_rows,
                    help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
+    p.add_argument("--large-step-quantization", default=None, choices=["w8a8"],
+                   help="w8a8: int8 weights and activations for large steps (prefill, big batches); default: bf16")  # fmt: skip
+    p.add_argument("--large-step-min-rows", type=int, default=EngineConfig.large_step_min_rows,
+                   help="steps of at least this many tokens (past the small-step limit) use the large-step form")  # fmt: skip
     p.add_argument("--kernel-backend", default="native", choices=["native", "torch"],
                    help="native: compiled paged attention and fused layer ops (torch ops if they cannot be built)")  # fmt: skip
     p.add_argument("--num-threads", type=int, default=None,
@@ -137,7 +142,8 @@ def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-               small_step_max_rows=args.small_step_max_rows, kernel_backend=args.kernel_backend,
+               small_step_max_rows=args.small_step_max_rows, large_step_quantization=args.large_step_quantization,
+               large_step_min_rows=args.large_step_min_rows, kernel_backend=args.kernel_backend,
                num_threads=args.num_threads)  # fmt: skip
 
 
@@ -193,7 +199,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from fornax.config import EngineConfig, load_api_keys, parse_memory_size
+    from fornax.config import load_api_keys, parse_memory_size
     from fornax.server.app import serve
 
     model = args.model_arg or args.model
@@ -211,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
+        large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
         kernel_backend=args.kernel_backend, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
                           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching),

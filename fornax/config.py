@@ -111,6 +111,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft", "self")
+LARGE_STEP_METHODS = (None, "w8a8")
 
 
 @dataclass(frozen=True)
@@ -222,8 +223,19 @@ class EngineConfig:
     # int4, 5-8-bit types int8, float tensors stay dense; models/__init__.py). Larger steps
     # always use the dense weights (bf16 wins there).
     quantization: str | None = None
-    # int4 beats bf16 per decode step up to ~24-32 rows here (benchmarks/decode_step.py)
-    small_step_max_rows: int = 24
+    # Against torch's bf16 linear int4 won per decode step up to ~24-32 rows; against the
+    # native bf16 kernel that now takes the steps past this limit it is level at 12 rows and
+    # loses past them: 48 vs 35 ms per step at 16 rows, 53 vs 44 at 24 (decode_profile.py
+    # --small-step-max-rows 24 / 8, --quantization auto, 2026-12-03).
+    small_step_max_rows: int = 12
+    # Weight form for the steps past the small-step limit (and of at least `large_step_min_rows`
+    # tokens): prefill and bigger decode batches. None: dense (bf16 through oneDNN, the native
+    # bf16 kernel up to 64 rows); "w8a8": int8 weights and int8 activations per token, after a
+    # blockwise Hadamard rotation (layers/linear.py Int8Rotated): ~2x bf16's speed from a dozen
+    # rows up, for ~1% perplexity (README). Only for bf16 models on CPUs with AVX-512 VNNI
+    # (elsewhere the dense weights serve, as with None).
+    large_step_quantization: str | None = None
+    large_step_min_rows: int = 1  # 1: every step past the small-step limit
     # "native": the compiled kernels (layers/native.py): decode and short query runs attend
     # over the paged cache in place, and norms, rotary and SiLU*up are one call each; torch
     # ops are the fallback when they cannot be built. "torch": torch ops only (gather, then
@@ -246,6 +258,11 @@ class EngineConfig:
             raise ConfigError(f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}")
         if self.small_step_max_rows < 0:
             raise ConfigError("small_step_max_rows must be >= 0")
+        if self.large_step_quantization not in LARGE_STEP_METHODS:
+            names = ", ".join(repr(m) for m in LARGE_STEP_METHODS)
+            raise ConfigError(f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}")
+        if self.large_step_min_rows < 1:
+            raise ConfigError("large_step_min_rows must be >= 1")
         if self.kernel_backend not in ("native", "torch"):
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:

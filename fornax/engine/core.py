@@ -285,8 +285,10 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
     torch.set_num_threads(config.num_threads or _usable_cpus())
     small_step = (config.small_step_method, config.small_step_max_rows)
+    large_step = (config.large_step_quantization, config.large_step_min_rows)
     loaded = load_model(
-        config.model, config.dtype, progress=progress, small_step=small_step, kernel_backend=config.kernel_backend
+        config.model, config.dtype, progress=progress, small_step=small_step, large_step=large_step,
+        kernel_backend=config.kernel_backend,
     )
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)

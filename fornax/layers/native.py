@@ -243,13 +243,61 @@ class Bf16Matmul:
         return out
 
 
+class Int8Matmul:
+    """ctypes wrappers of kernels/int8_matmul.c: int8 x int8 matmuls of weights and activations
+    rotated blockwise (formats there; built by layers/linear.py Int8Rotated). Only loaded where
+    the CPU has AVX-512 VNNI."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._quantize, self._matmul = lib.rotate_quantize_rows_bf16, lib.int8_matmul_bf16
+        self._quantize.restype, self._quantize.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, p, i]
+        self._matmul.restype, self._matmul.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, p, p, i, p, i]
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation rounding of `__call__`, alone: x [T, K] bf16 (any row stride, K a
+        multiple of 32) -> (q [T, K] int8, scale [T] float32), x H ~ q * scale per row, H the
+        blockwise Hadamard transform."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or k % 32:
+            raise ValueError("int8 activations: x must be [T, K] bfloat16 with K a multiple of 32")
+        q = torch.empty((rows, k), dtype=torch.int8)
+        scale = torch.empty(rows, dtype=torch.float32)
+        status = self._quantize(x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"int8 activation kernel failed (status {status})")
+        return q, scale
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+        """y [T, n] bf16 = x W^T for W in the kernel's panels (packed [n_pad / 64, K / 4, 64, 4]
+        int8, colsum int32 and scale float32 [n_pad]); x [T, K] bf16, any row stride."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, k = x.shape
+        n_pad = packed.shape[0] * 64
+        ok = x.dtype == torch.bfloat16 and packed.dtype == torch.int8 and packed.is_contiguous()
+        ok = ok and packed.shape[1:] == (k // 4, 64, 4) and n <= n_pad and colsum.numel() == scale.numel() == n_pad
+        if not ok:
+            raise ValueError("int8 matmul: x [T, K] bf16 and weights in the kernel's panels")
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        status = self._matmul(
+            x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), colsum.data_ptr(), scale.data_ptr(), n,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"int8 matmul kernel failed (status {status})")
+        return out
+
+
 # kernels/decode_step.c `qlinear.kind`: the weight format of one projection
-QLINEAR_Q8, QLINEAR_Q4, QLINEAR_BF16 = 0, 1, 2
+QLINEAR_Q8, QLINEAR_Q4, QLINEAR_BF16, QLINEAR_I8 = 0, 1, 2, 3
 
 
 class QLinearDesc(ctypes.Structure):
     """kernels/decode_step.c `qlinear`: one projection's weights (kind: QLINEAR_*; d and m
-    only for the quantized kinds, m only for Q4)."""
+    only for the quantized kinds: Q4/Q8 scales (m only for Q4), I8 column sums and scales)."""
 
     _fields_ = [
         ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
@@ -350,6 +398,15 @@ def load_bf16_matmul() -> Bf16Matmul | None:
     if lib is None or not lib.bf16_matmul_available():
         return None
     return Bf16Matmul(lib)
+
+
+@functools.cache
+def load_int8_matmul() -> Int8Matmul | None:
+    """The int8 x int8 matmul, or None where it cannot run here (no AVX-512 VNNI, no compiler)."""
+    lib = _library()
+    if lib is None or not lib.int8_matmul_available():
+        return None
+    return Int8Matmul(lib)
 
 
 @functools.cache

@@ -50,13 +50,15 @@ def load_model(
     progress: bool = True,
     small_step: tuple[str | None, int] | None = None,
     kernel_backend: str = "native",
+    large_step: tuple[str | None, int] | None = None,
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
     small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
     rows. method "int8" / "int4" / "auto" quantizes; kernel_backend "native" runs that on
     fornax's integer kernel where this CPU can, and gives the Linears left dense (method None,
     or float tensors under "auto") the native bf16 kernel in bf16 models (layers/linear.py).
-    None: torch's dense linear for every step."""
+    None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
+    steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
@@ -86,6 +88,10 @@ def load_model(
         for module in model.modules():  # dense bf16 forms: alone, or past the quantized limit
             if isinstance(module, Linear):
                 module.set_dense_small_step(max(max_rows, DENSE_BF16_MAX_ROWS), kernel_backend)
+    if large_step is not None and large_step[0] == "w8a8":
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.set_large_step_int8(large_step[1], kernel_backend)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 

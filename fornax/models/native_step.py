@@ -6,8 +6,9 @@ call instead of ~360 module and kernel calls. It computes what the op-by-op nati
 computes, to the bit (tests/model/test_native_step.py), so the runner may pick either per
 step. Built only when every projection of the model has a native small-step form (BlockInt4 /
 BlockInt8, or DenseBf16 in a dense bf16 model; in a quantized bf16 model DenseBf16 is a
-second tier for larger steps) and no layer needs what the C step leaves out (Qwen3's
-per-head Q/K norms); `NativeStep.build` returns None otherwise and the model runs op by op.
+second tier for larger steps; with int8 large steps Int8Rotated takes every step past the
+tiers before it) and no layer needs what the C step leaves out (Qwen3's per-head Q/K norms);
+`NativeStep.build` returns None otherwise and the model runs op by op.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import ctypes
 import torch
 
 from fornax.layers.attention import AttentionMetadata
-from fornax.layers.linear import BlockInt4, BlockInt8, DenseBf16, Linear
+from fornax.layers.linear import BlockInt4, BlockInt8, DenseBf16, Int8Rotated, Linear
 from fornax.layers.native import (
     QLINEAR_BF16,
+    QLINEAR_I8,
     QLINEAR_Q4,
     QLINEAR_Q8,
     DecodeStepKernel,
@@ -44,16 +46,35 @@ def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:
         w, d, m, kind = form.qweight, form.d, None, QLINEAR_Q8
     elif isinstance(form, DenseBf16):
         w, d, m, kind = form.weight, None, None, QLINEAR_BF16
+    elif isinstance(form, Int8Rotated):
+        w, d, m, kind = form.packed, form.colsum, form.scale, QLINEAR_I8
     else:
         return None
     bias = None if linear.bias is None else linear.bias.data
     return QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features, kind)
 
 
+# The large tier has no upper limit on rows
+UNBOUNDED_ROWS = 1 << 30
+
+
+def _tier_bounds(linear: Linear, attr: str) -> tuple[int, int] | None:
+    """The rows [lo, hi] for which linear.forward takes its `attr` form; None if it has none."""
+    if getattr(linear, attr) is None:
+        return None
+    after_small = linear.small_max_rows + 1 if linear.small is not None else 1
+    if attr == "small":
+        return 1, linear.small_max_rows
+    if attr == "mid":
+        return after_small, linear.mid_max_rows
+    return max(after_small, linear.large_min_rows), UNBOUNDED_ROWS
+
+
 class NativeStep:
-    """Up to two tiers, as the linears have them: the small forms (quantized, or dense bf16 in a
-    dense model) up to their row limit, then the dense bf16 mid forms up to theirs. A step
-    takes the first tier its rows fit, as every projection op by op would."""
+    """Up to three tiers, as the linears have them: the small forms (quantized, or dense bf16 in
+    a dense model) up to their row limit, then the dense bf16 mid forms up to theirs, then the
+    int8 large forms. A step takes the first tier its rows fit, as every projection op by op
+    would; tiers must follow each other without a gap, or the step stops at the gap."""
 
     def __init__(self, kernel: DecodeStepKernel, model: LlamaForCausalLM, tiers: list[tuple[int, list]], kv_cache: KVCache) -> None:
         c = model.config
@@ -79,16 +100,24 @@ class NativeStep:
         if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm:
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-        tiers = []
-        for attr in ("small", "mid"):
-            limits = {getattr(m, f"{attr}_max_rows") for m in linears}
-            # one limit for every projection, so a step's tier is what each would pick op by op
-            if len(limits) != 1 or (tiers and limits.pop() <= tiers[-1][0]):
+        tiers: list[tuple[int, list]] = []
+        for attr in ("small", "mid", "large"):
+            bounds = {_tier_bounds(m, attr) for m in linears}
+            # one range for every projection, so a step's tier is what each would pick op by op
+            if len(bounds) != 1:
+                break
+            (span,) = bounds
+            if span is None:
+                continue  # no such tier: the next one must start where the last ended
+            lo, hi = span
+            if hi < lo:
+                continue  # a tier that never serves (a mid tier cut to nothing)
+            if lo != (tiers[-1][0] if tiers else 0) + 1:
                 break
             layers = cls._layer_descs(model, kv_cache, attr)
             if layers is None:
                 break
-            tiers.append((getattr(linears[0], f"{attr}_max_rows"), layers))
+            tiers.append((hi, layers))
         return cls(kernel, model, tiers, kv_cache) if tiers else None
 
     @staticmethod

@@ -3,8 +3,8 @@
 It calls the same kernels in the same order, so the claim is bit-equality, not closeness:
 the same greedy tokens and the same logprobs, to the last bit, on tiny random models of each
 family it covers (plain Llama, Llama 3 RoPE scaling with tied embeddings, Mistral's sliding
-window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights and with dense bf16
-weights (the native bf16 matmul), for batches of
+window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights, with dense bf16
+weights (the native bf16 matmul) and with int8 x int8 steps (Int8Rotated), for batches of
 decodes, short prompts it prefills itself, and speculative verification rows. Qwen3's
 per-head Q/K norms are not in the C step: such a model must run op by op.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 
 from fornax import LLM, SamplingParams
-from fornax.layers.linear import DENSE_BF16_MAX_ROWS, DenseBf16, Linear
+from fornax.layers.linear import DENSE_BF16_MAX_ROWS, DenseBf16, Int8Rotated, Linear
 from fornax.layers.native import load_decode_step
+from fornax.models.native_step import UNBOUNDED_ROWS
 from tests.model.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(load_decode_step() is None, reason="no AVX-512 VNNI or no C compiler")
@@ -44,32 +45,40 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization,small_rows",
+    "dtype,quantization,small_rows,large",
     [
-        ("bfloat16", "int4", 24),
-        ("float32", "int8", 24),
-        ("bfloat16", "int8", 24),
-        ("bfloat16", None, 24),
-        ("bfloat16", "int4", 2),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
+        ("bfloat16", "int4", 24, None),
+        ("float32", "int8", 24, None),
+        ("bfloat16", "int8", 24, None),
+        ("bfloat16", None, 24, None),
+        ("bfloat16", "int4", 2, None),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
+        ("bfloat16", "int4", 2, "w8a8"),  # 3-4 rows: the int8 x int8 tier, in place of the mid one
+        ("bfloat16", None, 0, "w8a8"),  # every step int8 x int8
     ],
 )
-def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows):
+def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, large):
     arch, path = tiny_dir
-    fused, op_by_op = _pair(path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows)
+    fused, op_by_op = _pair(
+        path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows, large_step_quantization=large
+    )
     if arch == "qwen3":
         assert fused.engine.runner.native_step is None
         return
     assert fused.engine.runner.native_step is not None
     linears = [m for m in fused.engine.runner.model.modules() if isinstance(m, Linear)]
     step = fused.engine.runner.native_step
-    if quantization is None:  # dense bf16: the native bf16 form, to its own row limit
+    tiers = [rows for rows, _ in step.tiers]
+    if large is not None:  # int8 x int8 past the small tier, if any; no bf16 mid tier
+        assert all(isinstance(m.large, Int8Rotated) and m.mid is None for m in linears)
+        assert tiers == ([small_rows] if small_rows else []) + [UNBOUNDED_ROWS]
+    elif quantization is None:  # dense bf16: the native bf16 form, to its own row limit
         assert all(isinstance(m.small, DenseBf16) and m.small_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
-        assert [rows for rows, _ in step.tiers] == [DENSE_BF16_MAX_ROWS]
+        assert tiers == [DENSE_BF16_MAX_ROWS]
     elif dtype == "bfloat16":  # quantized up to small_rows, then the bf16 tier
         assert all(isinstance(m.mid, DenseBf16) and m.mid_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
-        assert [rows for rows, _ in step.tiers] == [small_rows, DENSE_BF16_MAX_ROWS]
+        assert tiers == [small_rows, DENSE_BF16_MAX_ROWS]
     else:  # float32 weights: no bf16 tier
-        assert all(m.mid is None for m in linears) and [rows for rows, _ in step.tiers] == [small_rows]
+        assert all(m.mid is None for m in linears) and tiers == [small_rows]
     calls = _count_calls(fused)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
     a, b = fused.generate(PROMPTS, params), op_by_op.generate(PROMPTS, params)

@@ -6,8 +6,9 @@
 - Q4_0 / Q4_1 blocks written by the `gguf` package's own quantizer unpack to exactly the
   values its dequantizer gives, and `quantization="auto"` turns the default model's Q4_1
   tensors into int4 forms block for block.
-- Perplexity on a real English text (a smaller sample than the README's run): INT8 and
-  auto within +2% and INT4 within +6% of bf16, every token through the quantized kernels.
+- Perplexity on a real English text (a smaller sample than the README's run): INT8, auto
+  and W8A8 (int8 activations too) within +2% and INT4 within +6% of bf16, every token
+  through the quantized kernels.
 """
 
 from __future__ import annotations
@@ -128,3 +129,7 @@ def test_quantized_perplexity_stays_close_to_bf16(default_gguf):
     # auto computes with the file's own Q4_1 values (only their scales rounded to bf16) and an
     # int8 LM head: it should cost less than requantizing, well inside the int8 bound.
     assert ppl["auto"].perplexity <= base * 1.02, ppl
+    # int8 activations too (large steps, here every step): the int8 bound still holds
+    w8a8 = LLM(str(default_gguf), small_step_max_rows=0, large_step_quantization="w8a8", large_step_min_rows=1, progress=False)
+    ppl["w8a8"] = perplexity(w8a8, text, window=256, max_windows=3)
+    assert ppl["w8a8"].perplexity <= base * 1.02, ppl

@@ -7,10 +7,10 @@
  * Python side makes one call per step.
  *
  * It calls the very kernels the op-by-op native path calls (fused_ops.c, quant_matmul.c,
- * bf16_matmul.c, paged_attention.c), in the same order with the same roundings, so its
+ * bf16_matmul.c, int8_matmul.c, paged_attention.c), in the same order with the same roundings, so its
  * output is the same to the bit; tests/model/test_native_step.py checks that. It covers steps
  * where every sequence's new tokens go to the paged-attention kernel and every projection has
- * a native small-step form (4-bit, 8-bit, or bf16 for dense bf16 models); anything else runs
+ * a native form for the step's rows (4-bit, 8-bit, bf16, or int8 x int8); anything else runs
  * op by op (fornax/models/native_step.py).
  */
 #include <stdint.h>
@@ -28,11 +28,12 @@
 #endif
 
 /* One projection's weights: kind Q8 / Q4 (formats in quant_matmul.c; d, m float16, m only for
- * Q4) or BF16 (w the dense [n, k] weight, bf16 models only; bf16_matmul.c). */
-enum { QLINEAR_Q8 = 0, QLINEAR_Q4 = 1, QLINEAR_BF16 = 2 };
+ * Q4), BF16 (w the dense [n, k] weight, bf16 models only; bf16_matmul.c) or I8 (w the rotated
+ * int8 panels, d the int32 column sums, m the float32 column scales; int8_matmul.c, bf16 only). */
+enum { QLINEAR_Q8 = 0, QLINEAR_Q4 = 1, QLINEAR_BF16 = 2, QLINEAR_I8 = 3 };
 typedef struct {
     const void *w;
-    const uint16_t *d, *m;
+    const void *d, *m;
     const void *bias; /* NULL or [n] of the activation type */
     int n, k, kind;
 } qlinear;
@@ -77,24 +78,28 @@ typedef struct {
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)
 int bf16_matmul_bf16(const uint16_t *, long, int, int, const uint16_t *, int, uint16_t *, int);
+int int8_matmul_bf16(const uint16_t *, long, int, int, const int8_t *, const int32_t *, const float *, int,
+                     uint16_t *, int);
 
-/* The dense bf16 kind exists for bf16 activations only; a float32 step never gets one
- * (native_step.py), and refuses it if it did. */
-static int dense_matmul_f32(const float *x, long x_stride, int rows, int k, const void *w, int n, float *y,
+/* The dense bf16 and int8 kinds exist for bf16 activations only; a float32 step never gets
+ * one (native_step.py), and refuses it if it did. */
+static int dense_matmul_f32(const float *x, long x_stride, int rows, int k, const qlinear *lin, float *y,
                             int nt) {
-    (void)x, (void)x_stride, (void)rows, (void)k, (void)w, (void)n, (void)y, (void)nt;
+    (void)x, (void)x_stride, (void)rows, (void)k, (void)lin, (void)y, (void)nt;
     return 4;
 }
-static int dense_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, const void *w, int n,
+static int dense_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, const qlinear *lin,
                              uint16_t *y, int nt) {
-    return bf16_matmul_bf16(x, x_stride, rows, k, w, n, y, nt);
+    if (lin->kind == QLINEAR_I8)
+        return int8_matmul_bf16(x, x_stride, rows, k, lin->w, lin->d, lin->m, lin->n, y, nt);
+    return bf16_matmul_bf16(x, x_stride, rows, k, lin->w, lin->n, y, nt);
 }
 
 /* y = x W^T (+ b), x [rows, k] with row stride x_stride; y [rows, n]. */
 #define DEFINE_PROJECT(NAME, SUFFIX, T, LOAD, ROUND, STORE)                                       \
     static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
-        const int bad = lin->kind == QLINEAR_BF16                                                \
-            ? dense_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->n, y, nt)            \
+        const int bad = lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8                     \
+            ? dense_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt)                       \
             : lin->kind == QLINEAR_Q4                                                            \
             ? q4_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, lin->m, lin->n, y, nt) \
             : q8_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, 0, lin->n, y, nt);   \
