@@ -5,7 +5,9 @@ per step; every layer reuses it. Each layer writes its new K/V into the paged ca
 (flat slots = block_id * block_size + offset), then attends in at most three calls:
 
 - short query runs (decodes, speculative verification: at most KERNEL_MAX_QUERIES new
-  tokens) go to the native kernel, which reads the cache in place (layers/native.py);
+  tokens) and runs of any length over a short context (at most KERNEL_MAX_CONTEXT keys:
+  most chat prompts) go to the native kernel, which reads the cache in place
+  (layers/native.py);
 - without the kernel, decodes form one group: gather K/V, then two batched matmuls;
 - prefill chunks form another group on SDPA (plain causal when it is a lone fresh prompt).
 
@@ -27,6 +29,13 @@ from fornax.layers.native import PagedAttentionKernel
 # re-reads the context once per query row, so long chunks belong on SDPA; 16 covers decodes
 # and speculative verification.
 KERNEL_MAX_QUERIES = 16
+# ... and so do runs of any length whose context (cached + new tokens) is at most this long.
+# Up to here the kernel's row loop beats SDPA, which for a chunk after a cached prefix (a hit
+# on a shared system prompt, a chunked prefill) must also gather the cache and build a mask:
+# a fresh prompt prefilled 1.16x faster at 512 tokens, level at 1,024, 0.85x at 2,048; a
+# step of 512 tokens of ~190-token chat prompts after a prefix-cache hit, 1.27x
+# (--large-step-quantization w8a8, 2026-12-03, ad hoc A/B in one process).
+KERNEL_MAX_CONTEXT = 768
 
 
 @dataclass(frozen=True)
@@ -86,10 +95,11 @@ def build_attention_metadata(
     slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
     kernel_rows = None
     if kernel is not None:
-        short = [i for i, s in enumerate(spans) if s.num_new <= KERNEL_MAX_QUERIES]
+        on_kernel = [s.num_new <= KERNEL_MAX_QUERIES or s.start + s.num_new <= KERNEL_MAX_CONTEXT for s in spans]
+        short = [i for i, ok in enumerate(on_kernel) if ok]
         if short:
             kernel_rows = _build_kernel_rows(kernel, spans, short, offsets, block_size, sliding_window)
-        decode, prefill = [], [i for i, s in enumerate(spans) if s.num_new > KERNEL_MAX_QUERIES]
+        decode, prefill = [], [i for i, ok in enumerate(on_kernel) if not ok]
     else:
         decode = [i for i, s in enumerate(spans) if s.num_new == 1]
         prefill = [i for i, s in enumerate(spans) if s.num_new > 1]

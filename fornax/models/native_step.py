@@ -1,7 +1,8 @@
 """The one-call small step (layers/kernels/decode_step.c) for a Llama-family model.
 
-A step whose every sequence has at most KERNEL_MAX_QUERIES new tokens (decodes, speculative
-verification) and at most `small_step_max_rows` rows in all runs every layer in one native
+A step whose every sequence attends through the paged-attention kernel (decodes, speculative
+verification, prompts over a short context: layers/attention.py) and whose rows fit one of
+the tiers below runs every layer in one native
 call instead of ~360 module and kernel calls. It computes what the op-by-op native path
 computes, to the bit (tests/model/test_native_step.py), so the runner may pick either per
 step. Built only when every projection of the model has a native small-step form (BlockInt4 /

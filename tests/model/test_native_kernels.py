@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fornax.layers.attention import KERNEL_MAX_QUERIES, SeqSpan, build_attention_metadata, paged_attention
+from fornax.layers.attention import (
+    KERNEL_MAX_CONTEXT,
+    KERNEL_MAX_QUERIES,
+    SeqSpan,
+    build_attention_metadata,
+    paged_attention,
+)
 from fornax.layers.native import load_fused_ops, load_paged_attention
 from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import NativeOps, TorchOps
@@ -58,7 +64,9 @@ def _attend(spans, q, k, v, cache_k, cache_v, kernel, window):
     return out.float(), meta
 
 
-MIXED = [(37, 1), (0, 1), (130, 1), (64, 5), (200, KERNEL_MAX_QUERIES), (48, 40), (15, 1)]
+# A long chunk over a long context (SDPA), one over a short context and a fresh short prompt
+# (both kernel), among decodes and verification runs.
+MIXED = [(37, 1), (0, 1), (130, 1), (64, 5), (200, KERNEL_MAX_QUERIES), (KERNEL_MAX_CONTEXT, 40), (48, 40), (0, 30), (15, 1)]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +78,7 @@ def test_kernel_matches_torch_path_on_a_mixed_step(dtype, window, tol):
     ref, ref_meta = _attend(spans, q, k, v, ck, cv, None, window)
     got, meta = _attend(spans, q, k, v, ck, cv, KERNEL, window)
     assert ref_meta.kernel_rows is None
-    # The long chunk stays on SDPA; every other span goes to the kernel.
+    # The chunk over a long context stays on SDPA; every other span goes to the kernel.
     assert meta.kernel_rows is not None and meta.kernel_rows.token_index is not None
     assert len(meta.groups) == 1
     assert (got - ref).abs().max().item() < tol

@@ -26,6 +26,7 @@ PROMPTS = [
     [3] * 3 + list(range(40, 80)),  # past Mistral's window of 24 once generated; prefilled op by op
     [250],
     [9, 8, 7, 9, 8, 7, 9, 8, 7, 9, 8],  # repetitive: n-gram drafts get proposed and verified
+    list(range(300, 330)),  # with the others, a first step of 91 rows: past the integer kernels' 64
 ]
 
 
@@ -54,6 +55,7 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
         ("bfloat16", "int4", 2, None),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
         ("bfloat16", "int4", 2, "w8a8"),  # 3-4 rows: the int8 x int8 tier, in place of the mid one
         ("bfloat16", None, 0, "w8a8"),  # every step int8 x int8
+        ("float32", "int8", 1 << 30, None),  # every step int8, the 91-row prefill in chunks of 64
     ],
 )
 def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, large):

@@ -95,14 +95,25 @@ static int dense_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, 
     return bf16_matmul_bf16(x, x_stride, rows, k, lin->w, lin->n, y, nt);
 }
 
+/* The integer matmuls take at most this many rows a call (quant_matmul.c MAX_ROWS); longer
+ * steps (a short prompt prefilled here) go in chunks, as layers/native.py QuantMatmul does. */
+#define QUANT_MAX_ROWS 64
+
 /* y = x W^T (+ b), x [rows, k] with row stride x_stride; y [rows, n]. */
 #define DEFINE_PROJECT(NAME, SUFFIX, T, LOAD, ROUND, STORE)                                       \
     static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
-        const int bad = lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8                     \
-            ? dense_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt)                       \
-            : lin->kind == QLINEAR_Q4                                                            \
-            ? q4_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, lin->m, lin->n, y, nt) \
-            : q8_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin->w, lin->d, 0, lin->n, y, nt);   \
+        int bad = 0;                                                                             \
+        if (lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8)                                \
+            bad = dense_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt);                  \
+        const int quant = lin->kind == QLINEAR_Q4 || lin->kind == QLINEAR_Q8;                    \
+        for (int r0 = 0; quant && r0 < rows && !bad; r0 += QUANT_MAX_ROWS) {                  \
+            const int nr = rows - r0 < QUANT_MAX_ROWS ? rows - r0 : QUANT_MAX_ROWS;             \
+            const T *xr = x + r0 * x_stride;                                                     \
+            T *yr = y + (long)r0 * lin->n;                                                       \
+            bad = lin->kind == QLINEAR_Q4                                                        \
+                ? q4_matmul_##SUFFIX(xr, x_stride, nr, lin->k, lin->w, lin->d, lin->m, lin->n, yr, nt) \
+                : q8_matmul_##SUFFIX(xr, x_stride, nr, lin->k, lin->w, lin->d, 0, lin->n, yr, nt); \
+        }                                                                                        \
         if (bad || !lin->bias) return bad;                                                       \
         const T *b = lin->bias;                                                                  \
         for (int r = 0; r < rows; r++)                                                           \
