@@ -12,6 +12,9 @@ import time
 
 from fornax.config import (
     DEFAULT_MODEL,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
+    SMALL_STEP_MAX_ROWS,
+    SMALL_STEP_MAX_ROWS_W8A8,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -31,8 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "auto"],
                    help="weight-only quantized kernels for small (decode) steps (auto: the GGUF's own); default: dense")  # fmt: skip
-    p.add_argument("--small-step-max-rows", type=int, default=EngineConfig.small_step_max_rows,
-                   help="steps of at most this many tokens use the quantized kernels")  # fmt: skip
+    p.add_argument("--small-step-max-rows", type=int, default=None,
+                   help="steps of at most this many tokens use the quantized kernels "
+                        f"(default {SMALL_STEP_MAX_ROWS}, {SMALL_STEP_MAX_ROWS_W8A8} with w8a8 large steps)")  # fmt: skip
     p.add_argument("--large-step-quantization", default=None, choices=["w8a8"],
                    help="w8a8: int8 weights and activations for large steps (prefill, big batches); default: bf16")  # fmt: skip
     p.add_argument("--large-step-min-rows", type=int, default=EngineConfig.large_step_min_rows,
@@ -96,7 +100,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     engine = p.add_argument_group("engine")
     sched, cache = SchedulerConfig(), CacheConfig()
     engine.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
+                        help="tokens computed per engine step, at most")  # fmt: skip
     engine.add_argument("--max-model-len", type=int, default=sched.max_model_len)
     engine.add_argument("--scheduling-policy", default=sched.policy, choices=["fcfs", "priority"])
     engine.add_argument("--block-size", type=int, default=cache.block_size)

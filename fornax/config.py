@@ -94,7 +94,7 @@ class SchedulerConfig:
     """Continuous batching limits for one engine step."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # offline (LLM); `fornax serve`: SERVE_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192  # capped by the model's context length at engine build time
     policy: str = "fcfs"  # "fcfs" or "priority"
     # A prefill chunk never takes more than this many tokens of one step, so decodes keep
@@ -109,6 +109,24 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
+
+# Steps of at most this many rows use the small-step weight form (quantized, or the native
+# bf16 kernel in dense models). Against torch's bf16 linear int4 won up to ~24-32 rows;
+# against the native bf16 kernel that takes the steps past this limit it is level at 12 rows
+# and loses past them: 48 vs 35 ms per step at 16 rows, 53 vs 44 at 24 (decode_profile.py
+# --small-step-max-rows 24 / 8, --quantization auto, 2026-12-03).
+SMALL_STEP_MAX_ROWS = 12
+# ... and against the int8 x int8 kernel (large_step_quantization "w8a8") int4 wins at one
+# row only: 5.6-7.4 vs 7.6-8.6 ms per step at 1 row, 9.7 vs 7.9 at 2, 19.0 vs 15.2 at 8
+# (decode_profile.py --large-step-quantization w8a8, --small-step-max-rows 12 / 1 / 0).
+SMALL_STEP_MAX_ROWS_W8A8 = 1
+
+# `fornax serve`'s token budget per step: smaller than the offline one, because on a CPU a
+# step's time grows with its tokens and every running stream waits for it. At 2,048, 32
+# arriving chat prompts took ~2 s steps and TTFT p50 was 2.5-3.5 s; at 512 it was 0.9-1.6 s at
+# the same throughput (benchmarks/serve_streams.sh, 2026-12-03). A 2,000-token prompt then
+# prefills in four chunks, 10-15% slower than in one.
+SERVE_MAX_NUM_BATCHED_TOKENS = 512
 
 SPEC_METHODS = ("ngram", "draft", "self")
 LARGE_STEP_METHODS = (None, "w8a8")
@@ -221,13 +239,11 @@ class EngineConfig:
     # them through the native bf16 kernel where it runs); "int8"/"int4" use weight-only
     # quantized kernels there; "auto": what the GGUF file carries (its own Q4 blocks become
     # int4, 5-8-bit types int8, float tensors stay dense; models/__init__.py). Larger steps
-    # always use the dense weights (bf16 wins there).
+    # use the dense weights, or int8 x int8 (large_step_quantization).
     quantization: str | None = None
-    # Against torch's bf16 linear int4 won per decode step up to ~24-32 rows; against the
-    # native bf16 kernel that now takes the steps past this limit it is level at 12 rows and
-    # loses past them: 48 vs 35 ms per step at 16 rows, 53 vs 44 at 24 (decode_profile.py
-    # --small-step-max-rows 24 / 8, --quantization auto, 2026-12-03).
-    small_step_max_rows: int = 12
+    # None: SMALL_STEP_MAX_ROWS, or SMALL_STEP_MAX_ROWS_W8A8 with large_step_quantization
+    # "w8a8" (resolved at construction).
+    small_step_max_rows: int | None = None
     # Weight form for the steps past the small-step limit (and of at least `large_step_min_rows`
     # tokens): prefill and bigger decode batches. None: dense (bf16 through oneDNN, the native
     # bf16 kernel up to 64 rows); "w8a8": int8 weights and int8 activations per token, after a
@@ -256,6 +272,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4", "auto"):
             raise ConfigError(f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}")
+        if self.small_step_max_rows is None:
+            rows = SMALL_STEP_MAX_ROWS_W8A8 if self.large_step_quantization == "w8a8" else SMALL_STEP_MAX_ROWS
+            object.__setattr__(self, "small_step_max_rows", rows)  # still being built
         if self.small_step_max_rows < 0:
             raise ConfigError("small_step_max_rows must be >= 0")
         if self.large_step_quantization not in LARGE_STEP_METHODS:

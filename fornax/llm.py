@@ -33,7 +33,7 @@ class LLM:
         dtype: str = "bfloat16",
         *,
         quantization: str | None = None,
-        small_step_max_rows: int = EngineConfig.small_step_max_rows,
+        small_step_max_rows: int | None = None,
         large_step_quantization: str | None = None,
         large_step_min_rows: int = EngineConfig.large_step_min_rows,
         kernel_backend: str = "native",

@@ -230,9 +230,12 @@ def _build_spec(
 
     target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
     # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
-    # dense ones; drafts must not push a step over that limit.
-    # ("auto" on a model without quantized tensors leaves every step dense: no limit then.)
-    row_limit = config.small_step_max_rows if loaded.model.has_quantized_small_steps() else 0
+    # dense bf16 ones; drafts must not push a step over that limit. ("auto" on a model without
+    # quantized tensors leaves every step dense: no limit then. Nor is there one when int8 x
+    # int8 takes the larger steps: it is no dearer than int4 past a row, so no cliff.)
+    model = loaded.model
+    cliff = model.has_quantized_small_steps() and not model.has_int8_large_steps()
+    row_limit = config.small_step_max_rows if cliff else 0
     return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit)
 
 

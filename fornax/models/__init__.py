@@ -85,13 +85,16 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.set_small_step_method(method, max_rows, kernel_backend)
-        for module in model.modules():  # dense bf16 forms: alone, or past the quantized limit
-            if isinstance(module, Linear):
-                module.set_dense_small_step(max(max_rows, DENSE_BF16_MAX_ROWS), kernel_backend)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     if large_step is not None and large_step[0] == "w8a8":
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.set_large_step_int8(large_step[1], kernel_backend)
+        for linear in linears:
+            linear.set_large_step_int8(large_step[1], kernel_backend)
+    if small_step is not None and small_step[1] > 0:
+        # dense bf16 forms: alone, or past the quantized limit; not where int8 x int8 runs
+        # (it beats them at every row count, benchmarks/int8_matmul.py)
+        for linear in linears:
+            if linear.large is None:
+                linear.set_dense_small_step(max(small_step[1], DENSE_BF16_MAX_ROWS), kernel_backend)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
 
 

@@ -160,6 +160,10 @@ class LlamaForCausalLM(nn.Module):
         """Whether any projection's small-step form is quantized (not the dense bf16 kernel)."""
         return any(isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules())
 
+    def has_int8_large_steps(self) -> bool:
+        """Whether the steps past the small-step limit run int8 x int8 (layers/linear.py Int8Rotated)."""
+        return any(isinstance(m, Linear) and m.large is not None for m in self.modules())
+
     def use_ops(self, ops: LayerOps) -> None:
         """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""
         for module in self.modules():

@@ -193,13 +193,12 @@ def test_no_leaks_with_preemption_and_aborts(models):
 def test_draft_budget_follows_the_targets_weights(models):
     """Quantized small steps: the row limit and the quantized row cost; dense steps (also
     "auto" on a model whose file has no quantized tensors): no limit, the dense row cost."""
-    from fornax.config import EngineConfig
+    from fornax.config import SMALL_STEP_MAX_ROWS
     from fornax.spec_decode.controller import DENSE_ROW_COST, QUANTIZED_ROW_COST
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     quantized = LLM(str(models[0]), speculative_config=spec, quantization="int4", progress=False, num_blocks=64)
-    limit = EngineConfig.small_step_max_rows
-    assert (quantized.engine.spec.row_limit, quantized.engine.spec.row_cost) == (limit, QUANTIZED_ROW_COST)
+    assert (quantized.engine.spec.row_limit, quantized.engine.spec.row_cost) == (SMALL_STEP_MAX_ROWS, QUANTIZED_ROW_COST)
     for q in (None, "auto"):  # a safetensors directory carries float tensors only
         dense = LLM(str(models[0]), speculative_config=spec, quantization=q, progress=False, num_blocks=64)
         assert (dense.engine.spec.row_limit, dense.engine.spec.row_cost) == (0, DENSE_ROW_COST)

@@ -3,10 +3,11 @@
  * blockwise Hadamard rotation.
  *
  * Why: int8 dot products (AVX-512 VNNI) do twice the multiply-adds per instruction of bf16
- * ones, and read half the weight bytes. Over a model's weights (30 layers of the default
- * model, from memory) this kernel was 2.1x the native bf16 kernel at 32 rows, 1.9x oneDNN's
- * bf16 linear at 512, and ahead of torch._int_mm (oneDNN's int8) with its two ends done in C
- * at every row count measured (1-512; benchmarks/int8_matmul.py).
+ * ones, and read half the weight bytes. Over the default model's weights, from memory, this
+ * kernel (activation rounding included) was 2.2-2.8x the native bf16 kernel at 4-64 rows and
+ * 1.8-2.1x oneDNN's bf16 linear at 128-512; torch._int_mm's product alone (activations
+ * already int8, sums left in int32) was 1.2-2.3x slower up to 64 rows and level past 128
+ * (benchmarks/int8_matmul.py, 2026-12-03).
  *
  * Quantizing a whole row of activations with one scale loses precision where a few channels
  * are much larger than the rest (LLM activations have such outlier channels): +5% perplexity
