@@ -9,7 +9,7 @@ EOS ignored) goes through both engines in bf16 on the same GGUF:
            short request's extra tokens are wasted work. Only the tokens each request asked
            for count as useful output.
 
-Then, for each engine and weight form (--quantization, e.g. none,int8,int4,auto):
+Then, for each engine and weight form (--quantization, e.g. none,int8,int4,auto,auto+w8a8):
   single-stream decode: one 128-token prompt, 128 new tokens, prefill excluded;
   long-context decode: the same after a 2,000-token prompt (fornax only);
   prefill: a lone 512-token prompt, time to its first token (median of 3 fresh prompts).
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: 12 requests instead of 64")
     ap.add_argument("--skip-hf", action="store_true", help="measure fornax only")
     ap.add_argument("--quantization", default="none,int4",
-                    help="fornax weight forms for small (decode) steps, comma-separated: none,int8,int4,auto")  # fmt: skip
+                    help="fornax weight forms, comma-separated: none,int8,int4,auto for the small (decode) steps, "
+                         "each optionally +w8a8 for the larger ones (auto+w8a8)")  # fmt: skip
     ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -256,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     results: list[tuple[str, Result, dict[str, float]]] = []
     work = None
     for form in args.quantization.split(","):
-        quant = None if form == "none" else form
-        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, kernel_backend=args.kernel_backend, progress=False)
+        small, _, large = form.partition("+")  # e.g. "auto+w8a8": int8 x int8 past the small steps
+        quant = None if small == "none" else small
+        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large or None,
+                  kernel_backend=args.kernel_backend, progress=False)  # fmt: skip
         tok = llm.get_tokenizer()
         work = build_workload(tok, num_prompts, args.seed, (32, 512), (64, 256))
         single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]

@@ -3,7 +3,9 @@ greedy continuations agree.
 
 - perplexity of the default model on the GPL-3 text Debian ships (fornax/quality/perplexity.py),
   windows of 512 tokens, for dense bf16 and int8 / int4 / auto with every step through the
-  quantized kernels (small_step_max_rows set above the window);
+  quantized kernels (small_step_max_rows set above the window), w8a8 (int8 x int8 on every
+  step) and auto+w8a8 (as served: the file's int4 at one row, int8 x int8 past it; here the
+  scored prompts are all int8 x int8 and the greedy decode all int4);
 - greedy agreement: 32 new tokens for each of 24 chat prompts; each weight form against bf16
   (identical continuations, and the mean length of the common prefix), and bf16 against fp32.
 
@@ -58,8 +60,13 @@ def main() -> None:
 
     rows = []
     outputs = {}
-    for name, quant in (("bf16", None), ("int8", "int8"), ("int4", "int4"), ("auto", "auto")):
-        llm = LLM(args.model, quantization=quant, small_step_max_rows=ALL_ROWS if quant else 24, progress=False)
+    forms = [(name, {"quantization": q, "small_step_max_rows": ALL_ROWS if q else 24})
+             for name, q in (("bf16", None), ("int8", "int8"), ("int4", "int4"), ("auto", "auto"))]  # fmt: skip
+    # int8 x int8 on every step, and as served: the file's int4 for one-row steps, int8 x int8 past them
+    forms.append(("w8a8", {"small_step_max_rows": 0, "large_step_quantization": "w8a8"}))
+    forms.append(("auto+w8a8", {"quantization": "auto", "large_step_quantization": "w8a8"}))
+    for name, kwargs in forms:
+        llm = LLM(args.model, progress=False, **kwargs)
         ppl = perplexity(llm, text, window=512, max_windows=args.windows)
         outputs[name] = greedy(llm, args.new_tokens)
         rows.append((name, ppl))
@@ -71,13 +78,13 @@ def main() -> None:
     base = rows[0][1].perplexity
     print()
     print(f"perplexity, GPL-3 text, {rows[0][1].num_windows} windows of 512 tokens ({rows[0][1].num_scored_tokens} scored):")
-    print(f"{'form':<6} {'perplexity':>10} {'vs bf16':>8}")
+    print(f"{'form':<9} {'perplexity':>10} {'vs bf16':>8}")
     for name, ppl in rows:
-        print(f"{name:<6} {ppl.perplexity:>10.3f} {ppl.perplexity / base - 1:>+8.2%}")
+        print(f"{name:<9} {ppl.perplexity:>10.3f} {ppl.perplexity / base - 1:>+8.2%}")
     print()
     n = len(QUESTIONS)
     print(f"greedy agreement, {n} chat prompts x {args.new_tokens} new tokens (each prompt alone):")
-    for name in ("int8", "int4", "auto"):
+    for name in ("int8", "int4", "auto", "w8a8", "auto+w8a8"):
         same, prefix = agreement(outputs[name], outputs["bf16"])
         print(f"  {name} vs bf16: {same}/{n} identical, mean common prefix {prefix:.1f} tokens")
     same, prefix = agreement(outputs["bf16"], fp32)

@@ -89,13 +89,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; cells report medians")
     ap.add_argument("--row-cost", type=float, default=None, help="override the adaptive rule's row_cost")
     ap.add_argument("--quantization", default="none", help="the target's weights: none (dense bf16), int8, int4, auto")
+    ap.add_argument("--large-step-quantization", default=None, help="w8a8: int8 x int8 past the small steps")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="override the adaptive rule's batch limit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     start = time.time()
     extra = {} if args.row_cost is None else {"row_cost": args.row_cost}
+    if args.disable_by_batch_size is not None:
+        extra["disable_by_batch_size"] = args.disable_by_batch_size
     quantization = None if args.quantization == "none" else args.quantization
     engines = {name: LLM(args.model, progress=False, kv_cache_memory="256MiB", quantization=quantization,
+                         large_step_quantization=args.large_step_quantization,
                          speculative_config=None if spec is None else spec | extra)
                for name, spec in PROPOSERS.items()}  # fmt: skip
     tok = engines["none"].get_tokenizer()

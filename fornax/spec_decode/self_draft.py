@@ -47,7 +47,7 @@ def make_self_draft(
     memo: dict[int, object] = {id(t): t for t in list(target.parameters()) + list(target.buffers())}
     for module in target.modules():
         if isinstance(module, Linear):
-            for form in (module.small, module.mid):
+            for form in (module.small, module.mid, module.large):
                 if form is not None:
                     memo[id(form)] = form
     draft = copy.deepcopy(target, memo)

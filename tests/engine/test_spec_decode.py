@@ -202,3 +202,22 @@ def test_draft_budget_follows_the_targets_weights(models):
     for q in (None, "auto"):  # a safetensors directory carries float tensors only
         dense = LLM(str(models[0]), speculative_config=spec, quantization=q, progress=False, num_blocks=64)
         assert (dense.engine.spec.row_limit, dense.engine.spec.row_cost) == (0, DENSE_ROW_COST)
+
+
+def test_self_draft_shares_the_targets_int8_large_forms(models):
+    """The self-draft copies the module tree, not the weights: the int8 x int8 forms (which
+    hold ctypes kernels and cannot be deep-copied) are the target's own objects."""
+    from fornax.layers.linear import Linear
+    from fornax.layers.native import load_int8_matmul
+
+    if load_int8_matmul() is None:
+        pytest.skip("no AVX-512 VNNI or no C compiler: no int8 x int8 forms")
+    spec = {"method": "self", "draft_layers": 1, "num_speculative_tokens": 2}
+    llm = _llm(models[0], spec, dtype="bfloat16", large_step_quantization="w8a8")
+    target = [m.large for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    draft = [m.large for m in llm.engine.spec.proposer.model.modules() if isinstance(m, Linear)]
+    assert all(form is not None for form in target)
+    assert {id(f) for f in draft} <= {id(f) for f in target}
+    out = llm.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 16
+    llm.engine.check_integrity()
