@@ -1,9 +1,9 @@
-"""Linear layers: one dense weight, plus an optional second form for small steps.
+"""Linear layers: one dense weight, plus optional forms for small and large steps.
 
 On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
 rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16 (LM head at
 one row: bf16 3.5 ms, int8 2.5 ms, int4 0.8 ms, benchmarks/linear_kernels.py); with many
-rows (prefill), bf16 through oneDNN wins. So a Linear keeps its dense weight and, when
+rows (prefill), bf16 through oneDNN beats them. So a Linear keeps its dense weight and, when
 configured, a "small-step" form chosen by `method`; `forward` picks by the row count of its
 input. The forms are small classes in registries (DESIGN.md rule 8), not branches inside the
 hot loop: BlockInt4 / BlockInt8 run fornax's integer-dot-product kernel
@@ -15,6 +15,11 @@ Dense bf16 models get a small-step form too where the CPU has AVX-512 BF16: Dens
 the Linear's own weight (no copy) through kernels/bf16_matmul.c, which streams it at the
 machine's read bandwidth where oneDNN's bf16 linear reaches about half of it at a few rows.
 It is not quantized: the same products in float32, summed in another order.
+
+Past the small form's limit a Linear may also have a "large" form, Int8Rotated: int8 weights
+times int8 activations (kernels/int8_matmul.c, AVX-512 VNNI), about twice bf16's speed on
+these compute-bound steps, with both sides rotated blockwise first so that one int8 scale
+per activation row loses little (large_step_quantization="w8a8").
 """
 
 from __future__ import annotations
