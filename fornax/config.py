@@ -282,6 +282,11 @@ class EngineConfig:
             raise ConfigError(f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}")
         if self.large_step_min_rows < 1:
             raise ConfigError("large_step_min_rows must be >= 1")
+        if self.large_step_quantization == "w8a8" and (self.dtype != "bfloat16" or self.kernel_backend != "native"):
+            raise ConfigError(
+                "large_step_quantization 'w8a8' runs on the native kernels with bfloat16 activations: "
+                f"it needs dtype 'bfloat16' and kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
+            )
         if self.kernel_backend not in ("native", "torch"):
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:

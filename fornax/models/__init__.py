@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
+
+logger = logging.getLogger("fornax.models")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -89,6 +92,8 @@ def load_model(
     if large_step is not None and large_step[0] == "w8a8":
         for linear in linears:
             linear.set_large_step_int8(large_step[1], kernel_backend)
+        if all(linear.large is None for linear in linears):
+            logger.warning("w8a8 large steps cannot run here (no AVX-512 VNNI or no C compiler): dense weights serve them")
     if small_step is not None and small_step[1] > 0:
         # dense bf16 forms: alone, or past the quantized limit; not where int8 x int8 runs
         # (it beats them at every row count, benchmarks/int8_matmul.py)

@@ -1,10 +1,11 @@
-"""EngineConfig refuses unknown weight forms and kernel backends with a clear error."""
+"""EngineConfig refuses unknown weight forms and kernel backends with a clear error, and resolves
+the small-step limit by the large-step form."""
 
 from __future__ import annotations
 
 import pytest
 
-from fornax.config import ConfigError, EngineConfig
+from fornax.config import SMALL_STEP_MAX_ROWS, SMALL_STEP_MAX_ROWS_W8A8, ConfigError, EngineConfig
 
 
 @pytest.mark.parametrize("value", ["int8", "int4", "auto", None])
@@ -27,3 +28,18 @@ def test_num_threads_must_be_positive():
     assert EngineConfig(num_threads=3).num_threads == 3
     with pytest.raises(ConfigError, match="num_threads must be >= 1"):
         EngineConfig(num_threads=0)
+
+
+def test_large_step_quantization_and_the_small_step_limit_it_implies():
+    assert EngineConfig().small_step_max_rows == SMALL_STEP_MAX_ROWS
+    w8a8 = EngineConfig(large_step_quantization="w8a8")
+    assert w8a8.small_step_max_rows == SMALL_STEP_MAX_ROWS_W8A8
+    assert EngineConfig(large_step_quantization="w8a8", small_step_max_rows=5).small_step_max_rows == 5
+    with pytest.raises(ConfigError, match="large_step_quantization must be one of"):
+        EngineConfig(large_step_quantization="fp8")
+    with pytest.raises(ConfigError, match="large_step_min_rows must be >= 1"):
+        EngineConfig(large_step_min_rows=0)
+    with pytest.raises(ConfigError, match="needs dtype 'bfloat16' and kernel_backend 'native'"):
+        EngineConfig(large_step_quantization="w8a8", dtype="float32")
+    with pytest.raises(ConfigError, match="needs dtype 'bfloat16' and kernel_backend 'native'"):
+        EngineConfig(large_step_quantization="w8a8", kernel_backend="torch")
