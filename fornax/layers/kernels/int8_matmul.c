@@ -184,13 +184,20 @@ int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t 
     uint8_t *a = malloc((size_t)rows * k + sizeof(float) * (size_t)rows);
     if (!a) return 2;
     float *row_scale = (float *)(a + (size_t)rows * k); /* k is a multiple of 32: aligned */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 8)
-    for (int r = 0; r < rows; r++)
-        row_scale[r] = quantize_row(x + (long)r * ldx, k, (int8_t *)a + (long)r * k, 128);
     const int panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int p = 0; p < panels; p++)
-        rows_times_panel(a, row_scale, rows, k, wp + (long)p * PANEL * k, colsum, col_scale, p * PANEL, n, y);
+    /* One parallel region for both phases (a step makes ~4 calls per layer: each region is a
+     * wake-up and a barrier). Panels are handed out one at a time: when another process takes
+     * a core mid-call (a load generator on the same machine, the HTTP loop), the thread left
+     * running does the rest instead of waiting for its partner's static share. */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            row_scale[r] = quantize_row(x + (long)r * ldx, k, (int8_t *)a + (long)r * k, 128);
+#pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < panels; p++)
+            rows_times_panel(a, row_scale, rows, k, wp + (long)p * PANEL * k, colsum, col_scale, p * PANEL, n, y);
+    }
     free(a);
     return 0;
 #else
