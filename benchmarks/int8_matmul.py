@@ -24,10 +24,8 @@ import torch.nn.functional as F
 
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
-from fornax.layers.linear import BlockInt4, DenseBf16, Int8Rotated
+from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, DenseBf16, Int8Rotated
 from fornax.layers.native import load_bf16_matmul, load_int8_matmul, load_quant_matmul
-
-NATIVE_BF16_MAX_ROWS = 64  # past this the native bf16 kernel is not used (layers/linear.py)
 
 
 def forms(args: argparse.Namespace) -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]]:
@@ -59,7 +57,7 @@ def main() -> None:
     for rows in map(int, args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).bfloat16() for _, k in LAYER_SHAPES + [HEAD_SHAPE]}
         inputs.update({-k: torch.randint(-127, 128, (rows, k), dtype=torch.int8) for _, k in LAYER_SHAPES + [HEAD_SHAPE]})
-        names = [n for n in table if not (n.startswith("native") and rows > NATIVE_BF16_MAX_ROWS)]
+        names = [n for n in table if not (n.startswith("native") and rows > DENSE_BF16_MAX_ROWS)]
         runs: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(7):
             for name in names:

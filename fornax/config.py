@@ -248,8 +248,9 @@ class EngineConfig:
     # tokens): prefill and bigger decode batches. None: dense (bf16 through oneDNN, the native
     # bf16 kernel up to 64 rows); "w8a8": int8 weights and int8 activations per token, after a
     # blockwise Hadamard rotation (layers/linear.py Int8Rotated): ~2x bf16's speed from a dozen
-    # rows up, for ~1% perplexity (README). Only for bf16 models on CPUs with AVX-512 VNNI
-    # (elsewhere the dense weights serve, as with None).
+    # rows up, for ~1% perplexity (README). Needs dtype "bfloat16" and the native kernel
+    # backend (else a ConfigError); on a CPU without AVX-512 VNNI the dense weights serve the
+    # large steps, with a warning at load.
     large_step_quantization: str | None = None
     large_step_min_rows: int = 1  # 1: every step past the small-step limit
     # "native": the compiled kernels (layers/native.py): decode and short query runs attend

@@ -23,13 +23,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from fornax.config import fornax_home
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
+T = TypeVar("T")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 
 
@@ -382,31 +385,29 @@ def load_paged_attention() -> PagedAttentionKernel | None:
     return None if lib is None else PagedAttentionKernel(lib)
 
 
+def _wrap_if_available(available: str, wrapper: Callable[[ctypes.CDLL], T]) -> T | None:
+    """`wrapper(lib)` where the library was built and its `available()` flag says the kernels
+    were compiled in for this CPU; None otherwise."""
+    lib = _library()
+    return None if lib is None or not getattr(lib, available)() else wrapper(lib)
+
+
 @functools.cache
 def load_quant_matmul() -> QuantMatmul | None:
     """The integer-dot-product matmuls, or None where they cannot run here (no VNNI, no compiler)."""
-    lib = _library()
-    if lib is None or not lib.quant_matmul_available():
-        return None
-    return QuantMatmul(lib)
+    return _wrap_if_available("quant_matmul_available", QuantMatmul)
 
 
 @functools.cache
 def load_bf16_matmul() -> Bf16Matmul | None:
     """The bf16 small-step matmul, or None where it cannot run here (no AVX-512 BF16, no compiler)."""
-    lib = _library()
-    if lib is None or not lib.bf16_matmul_available():
-        return None
-    return Bf16Matmul(lib)
+    return _wrap_if_available("bf16_matmul_available", Bf16Matmul)
 
 
 @functools.cache
 def load_int8_matmul() -> Int8Matmul | None:
     """The int8 x int8 matmul, or None where it cannot run here (no AVX-512 VNNI, no compiler)."""
-    lib = _library()
-    if lib is None or not lib.int8_matmul_available():
-        return None
-    return Int8Matmul(lib)
+    return _wrap_if_available("int8_matmul_available", Int8Matmul)
 
 
 @functools.cache

@@ -81,15 +81,15 @@ int bf16_matmul_bf16(const uint16_t *, long, int, int, const uint16_t *, int, ui
 int int8_matmul_bf16(const uint16_t *, long, int, int, const int8_t *, const int32_t *, const float *, int,
                      uint16_t *, int);
 
-/* The dense bf16 and int8 kinds exist for bf16 activations only; a float32 step never gets
- * one (native_step.py), and refuses it if it did. */
-static int dense_matmul_f32(const float *x, long x_stride, int rows, int k, const qlinear *lin, float *y,
-                            int nt) {
+/* The BF16 and I8 kinds exist for bf16 activations only; a float32 step never gets one
+ * (native_step.py), and refuses it if it did. */
+static int bf16_only_matmul_f32(const float *x, long x_stride, int rows, int k, const qlinear *lin, float *y,
+                                int nt) {
     (void)x, (void)x_stride, (void)rows, (void)k, (void)lin, (void)y, (void)nt;
     return 4;
 }
-static int dense_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, const qlinear *lin,
-                             uint16_t *y, int nt) {
+static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, const qlinear *lin,
+                                 uint16_t *y, int nt) {
     if (lin->kind == QLINEAR_I8)
         return int8_matmul_bf16(x, x_stride, rows, k, lin->w, lin->d, lin->m, lin->n, y, nt);
     return bf16_matmul_bf16(x, x_stride, rows, k, lin->w, lin->n, y, nt);
@@ -104,9 +104,9 @@ static int dense_matmul_bf16(const uint16_t *x, long x_stride, int rows, int k, 
     static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
         int bad = 0;                                                                             \
         if (lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8)                                \
-            bad = dense_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt);                  \
+            bad = bf16_only_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt);              \
         const int quant = lin->kind == QLINEAR_Q4 || lin->kind == QLINEAR_Q8;                    \
-        for (int r0 = 0; quant && r0 < rows && !bad; r0 += QUANT_MAX_ROWS) {                  \
+        for (int r0 = 0; quant && r0 < rows && !bad; r0 += QUANT_MAX_ROWS) {                     \
             const int nr = rows - r0 < QUANT_MAX_ROWS ? rows - r0 : QUANT_MAX_ROWS;             \
             const T *xr = x + r0 * x_stride;                                                     \
             T *yr = y + (long)r0 * lin->n;                                                       \
