@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
+from fornax.layers import hugepages
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
@@ -100,7 +101,31 @@ def load_model(
         for linear in linears:
             if linear.large is None:
                 linear.set_dense_small_step(max(small_step[1], DENSE_BF16_MAX_ROWS), kernel_backend)
+    weights_on_huge_pages(model)
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
+
+
+def weights_on_huge_pages(model: nn.Module) -> None:
+    """Every parameter and every tensor of the Linears' step forms, packed into one mapping on
+    huge pages (layers/hugepages.py: a step streams all of them). Tensors shared by several
+    holders (a dense form holds its Linear's weight; tied embeddings) stay shared."""
+    holders: list[tuple[object, str]] = [(p, "data") for p in model.parameters()]
+    for module in model.modules():
+        if isinstance(module, Linear):
+            for form in (f for f in (module.small, module.mid, module.large) if f is not None):
+                holders += [(form, name) for name, v in vars(form).items() if isinstance(v, torch.Tensor)]
+    unique: dict[tuple, int] = {}  # (pointer, shape, strides, dtype) -> index in `tensors`
+    tensors: list[torch.Tensor] = []
+    for holder, name in holders:
+        t = getattr(holder, name)
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in unique:
+            unique[key] = len(tensors)
+            tensors.append(t)
+    packed = hugepages.pack(tensors)
+    for holder, name in holders:
+        t = getattr(holder, name)
+        setattr(holder, name, packed[unique[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)]])
 
 
 def set_small_step_from_file(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
+from fornax.layers import hugepages
 from fornax.layers.attention import AttentionMetadata, paged_attention
 from fornax.layers.linear import Linear
 from fornax.layers.norm import RMSNorm
@@ -30,8 +31,9 @@ class KVCache:
         # Not zero-filled (that costs ~1.5 s per GiB at start-up): attention only ever reads
         # slots written earlier in the same request, plus slot 0 as the gather target of
         # padding. Slot 0 is zeroed so that padding never multiplies garbage (NaN * 0 = NaN).
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        # On huge pages: K/V rows are read scattered by block (layers/hugepages.py).
+        self.k = [hugepages.empty(shape, dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [hugepages.empty(shape, dtype) for _ in range(config.num_hidden_layers)]
         for pool in self.k + self.v:
             pool[0].zero_()
         self.num_blocks, self.block_size = num_blocks, block_size

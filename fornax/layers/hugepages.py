@@ -1,0 +1,82 @@
+"""Tensors in memory the kernel may back with 2 MiB pages (Linux transparent huge pages).
+
+Why: a decode step streams every weight and reads each request's K/V, scattered by block
+over a pool of hundreds of MiB. With 4 KiB pages that is a TLB miss every 4 KiB, and the
+hardware prefetcher stops at each page edge; the attention kernel's software prefetches
+were where its time went (perf). On this machine transparent huge pages are `madvise`
+only, so nothing got them unless asked. A 32-row decode step of the default model with
+every allocation on huge pages (glibc's hugetlb tunable) ran 26.0-28.3 ms against 29.9-30.1
+without (benchmarks/decode_profile.py, alternating, 2026-12-03).
+
+So the large tensors a step reads (the KV pools, and every weight form of 2 MiB or more)
+are put in anonymous mappings advised MADV_HUGEPAGE before their first touch. Where the
+system has no transparent huge pages (or not Linux), they stay plain torch tensors: this is
+a speed matter only, and nothing reads the page size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_usable() -> bool:
+    """The kernel has transparent huge pages and lets a mapping ask for them."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        return "[never]" not in THP_SETTING.read_text()
+    except OSError:
+        return False
+
+
+HUGE_PAGES_USABLE = _thp_usable()
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """nbytes of uint8, untouched, in an anonymous mapping advised MADV_HUGEPAGE and starting
+    on a 2 MiB boundary (one huge page of slack allows for wherever the mapping lands)."""
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    # frombuffer keeps `buf` alive for as long as the tensor's storage lives.
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype), on huge pages where worth it and possible. Untouched, so
+    the kernel can hand out 2 MiB pages at the first write."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not HUGE_PAGES_USABLE:
+        return torch.empty(shape, dtype=dtype)
+    return _huge_page_bytes(nbytes).view(dtype).view(shape)
+
+
+ALIGN = 64  # each packed tensor starts on a cache line
+
+
+def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors`, one after another in one huge-page mapping: most of
+    a model's weight tensors are under 2 MiB each, so only together do they fill huge pages.
+    Where those are not usable, or all of it is under one page, the tensors come back as
+    they are."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    if total < HUGE_PAGE or not HUGE_PAGES_USABLE:
+        return list(tensors)
+    arena = _huge_page_bytes(total)
+    out = []
+    for t, start, size in zip(tensors, starts, sizes):
+        copy = arena[start : start + size].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+    return out
