@@ -11,9 +11,8 @@ decode steps moved within this machine's noise.
 
 So the KV pools, and all of a model's weights packed together (most weight tensors are
 under 2 MiB alone), are put in anonymous mappings advised MADV_HUGEPAGE before their first
-touch. Where the
-system has no transparent huge pages (or not Linux), they stay plain torch tensors: this is
-a speed matter only, and nothing reads the page size.
+touch. Where the system has no transparent huge pages (or not Linux), they stay plain torch
+tensors: this is a speed matter only, and nothing reads the page size.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype), on huge pages where worth it and possible. Untouched, so
     the kernel can hand out 2 MiB pages at the first write."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE or not HUGE_PAGES_USABLE:
         return torch.empty(shape, dtype=dtype)
     return _huge_page_bytes(nbytes).view(dtype).view(shape)

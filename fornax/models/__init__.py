@@ -107,25 +107,19 @@ def load_model(
 
 def weights_on_huge_pages(model: nn.Module) -> None:
     """Every parameter and every tensor of the Linears' step forms, packed into one mapping on
-    huge pages (layers/hugepages.py: a step streams all of them). Tensors shared by several
-    holders (a dense form holds its Linear's weight; tied embeddings) stay shared."""
+    huge pages (layers/hugepages.py: a step streams all of them). A tensor held twice (a
+    dense form holds its Linear's weight) is packed once and stays shared."""
     holders: list[tuple[object, str]] = [(p, "data") for p in model.parameters()]
     for module in model.modules():
         if isinstance(module, Linear):
             for form in (f for f in (module.small, module.mid, module.large) if f is not None):
                 holders += [(form, name) for name, v in vars(form).items() if isinstance(v, torch.Tensor)]
-    unique: dict[tuple, int] = {}  # (pointer, shape, strides, dtype) -> index in `tensors`
-    tensors: list[torch.Tensor] = []
-    for holder, name in holders:
-        t = getattr(holder, name)
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        if key not in unique:
-            unique[key] = len(tensors)
-            tensors.append(t)
-    packed = hugepages.pack(tensors)
-    for holder, name in holders:
-        t = getattr(holder, name)
-        setattr(holder, name, packed[unique[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)]])
+    held = [getattr(holder, name) for holder, name in holders]
+    keys = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in held]
+    first = {key: t for key, t in zip(keys, held)}  # the same view of the same memory: one tensor
+    packed = dict(zip(first, hugepages.pack(list(first.values()))))
+    for (holder, name), key in zip(holders, keys):
+        setattr(holder, name, packed[key])
 
 
 def set_small_step_from_file(
