@@ -2,12 +2,12 @@
 
 Why: a decode step streams every weight and reads each request's K/V, scattered by block
 over a pool of hundreds of MiB. With 4 KiB pages that is a TLB miss every 4 KiB, and the
-hardware prefetcher stops at each page edge; the attention kernel's software prefetches
-were where its time went (perf). On this machine transparent huge pages are `madvise`
-only, so nothing got them unless asked. In one process, taking turns (benchmarks/huge_pages.py,
-2026-12-03): the int8 x int8 pass over the default model's weights ran 1.18x faster at one
-row, 1.05x at 32, level at 128; decode attention over 30 layers' pools 1.05-1.08x. Whole
-decode steps moved within this machine's noise.
+hardware prefetcher stops at each page edge; perf put about a third of the decode attention
+loop's samples on its own software prefetch instructions. On this machine transparent huge
+pages are `madvise` only, so nothing got them unless asked. In one process, taking turns
+(benchmarks/huge_pages.py, 2026-12-03): the int8 x int8 pass over the default model's
+weights ran 1.18x faster at one row, 1.05x at 32, level at 128; decode attention over 30
+layers' pools 1.05-1.08x. Whole decode steps moved within this machine's noise.
 
 So the KV pools, and all of a model's weights packed together (most weight tensors are
 under 2 MiB alone), are put in anonymous mappings advised MADV_HUGEPAGE before their first

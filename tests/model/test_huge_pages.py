@@ -1,5 +1,6 @@
 """Weights and KV pools on huge pages (layers/hugepages.py): the same values, the mappings
-advised, a tensor held twice still one tensor, and the same tokens out."""
+advised (the model's weights and its KV pools), a tensor held twice still one tensor, and
+the same tokens out."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def test_model_weights_packed_shared_and_same_tokens(tmp_path, monkeypatch):
     packed = LLM(str(tmp_path), num_blocks=64, progress=False, quantization="int4", small_step_max_rows=2)
     model = packed.engine.runner.model
     assert [o.outputs[0].token_ids for o in packed.generate(prompts, params)] == expected
+    cache = packed.engine.runner.kv_cache
+    assert all(" hg" in _mapping_flags(pool.data_ptr()) for pool in cache.k + cache.v)  # the KV pools too
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(" hg" in _mapping_flags(m.weight.data_ptr()) for m in linears)
     for m in linears:
