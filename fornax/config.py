@@ -71,6 +71,9 @@ class ModelConfig:
             raise ConfigError(f"unsupported activation {self.hidden_act!r} (only SwiGLU/silu models)")
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype (fornax/layers/kv_pool.py)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: fixed-size blocks in one preallocated pool per layer."""
@@ -79,8 +82,13 @@ class CacheConfig:
     kv_cache_memory: int = 1 * GiB  # bytes; ignored when num_blocks is given
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "int8": int8 rows with a scale per token and KV head
+    # (layers/kv_pool.py), half the bytes for long-context attention to read.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

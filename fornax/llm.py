@@ -45,6 +45,7 @@ class LLM:
         kv_cache_memory: int | float | str = "1GiB",
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         seed: int = 0,
@@ -65,6 +66,7 @@ class LLM:
                 kv_cache_memory=parse_memory_size(kv_cache_memory),
                 num_blocks=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -46,7 +46,9 @@ class EngineCore:
         dtype = DTYPES[config.dtype]
         cache = config.cache
         num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_memory // KVCache.bytes_per_block(loaded.config, cache.block_size, dtype)
+            1,
+            cache.kv_cache_memory
+            // KVCache.bytes_per_block(loaded.config, cache.block_size, dtype, cache.kv_cache_dtype),
         )
         self.cache_config = replace(cache, num_blocks=num_blocks)
         max_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
@@ -54,7 +56,8 @@ class EngineCore:
         self.max_model_len = max_len
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks)
         self.runner = ModelRunner(
-            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.kernel_backend
+            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.kernel_backend,
+            cache.kv_cache_dtype,
         )
         self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions

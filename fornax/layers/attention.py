@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.native import PagedAttentionKernel
 
 # Sequences with at most this many new tokens use the native kernel when it is loaded. It
@@ -190,18 +191,16 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    cache: LayerKV,  # this layer's pools
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend for every group. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    cache.write(meta.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     kr = meta.kernel_rows
     if kr is not None and kr.token_index is None:  # every row is short: one kernel call
-        return kr.kernel(q, k_cache, v_cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window)
+        return kr.kernel(q, cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window)
     if len(meta.groups) == 1 and meta.groups[0].kv_slots is None and kr is None:
         # Single fresh prompt: no padding anywhere, attend over the new tokens directly. The
         # batch dimension matters: given 3-D [H, T, D] inputs, SDPA on CPU takes its math path
@@ -215,7 +214,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if kr is not None:
         out[kr.token_index] = kr.kernel(
-            q[kr.token_index], k_cache, v_cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window
+            q[kr.token_index], cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window
         )
     for g in meta.groups:
         b, q_len = g.query_index.shape
@@ -225,8 +224,8 @@ def paged_attention(
             vg = v[g.query_index].transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
+            kg, vg = cache.gather(g.kv_slots, q.dtype)  # [B, L, Hkv, D]; int8 pools dequantized
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [B, Hkv, L, D]
             if g.bias is not None:
                 og = _decode_attention(qg, kg, vg, g.bias, scale)
             else:

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from fornax.config import fornax_home
+from fornax.layers.kv_pool import LayerKV
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 T = TypeVar("T")
@@ -74,20 +75,23 @@ class PagedAttentionKernel:
     unless the block tables themselves are wrong (they come from the KV manager)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.float32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}
+        # (query dtype, int8 pools?) -> entry point
+        self._fns = {
+            (torch.float32, False): lib.paged_attention_f32, (torch.bfloat16, False): lib.paged_attention_bf16,
+            (torch.float32, True): lib.paged_attention_f32_i8, (torch.bfloat16, True): lib.paged_attention_bf16_i8,
+        }  # fmt: skip
         p, i, lg, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [p, lg, p, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
+            fn.argtypes = [p, lg, p, p, p, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
 
     def supports(self, dtype: torch.dtype) -> bool:
-        return dtype in self._fns
+        return (dtype, False) in self._fns
 
     def __call__(
         self,
         q: torch.Tensor,  # [R, H, D], rows may be strided, heads and dims contiguous
-        k_cache: torch.Tensor,  # [num_slots, Hkv, D] contiguous
-        v_cache: torch.Tensor,
+        cache: LayerKV,  # pools [num_slots, Hkv, D] contiguous (int8 ones with their scales)
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
         row_seq: torch.Tensor,  # [R] int32: index into block_tables
         row_pos: torch.Tensor,  # [R] int32: position of the query; attends to keys 0..pos
@@ -96,20 +100,28 @@ class PagedAttentionKernel:
         window: int | None,
     ) -> torch.Tensor:
         rows, heads, dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        pools = cache.tensors()
+        if q.stride(2) != 1 or q.stride(1) != dim or not all(t.is_contiguous() for t in pools):
             raise ValueError("paged attention kernel: unexpected memory layout")
+        if cache.k.dtype != (torch.int8 if cache.quantized else q.dtype):
+            raise ValueError(f"paged attention kernel: {cache.k.dtype} pools for {q.dtype} queries")
         for t in (block_tables, row_seq, row_pos):
             if t.dtype != torch.int32 or not t.is_contiguous():
                 raise ValueError("paged attention kernel: index tensors must be contiguous int32")
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
-        status = self._fns[q.dtype](
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], row_seq.data_ptr(), row_pos.data_ptr(),
-            rows, heads, k_cache.shape[1], dim, block_size, scale, window or 0, torch.get_num_threads(),
+        status = self._fns[(q.dtype, cache.quantized)](
+            q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), _ptr_or_none(cache.k_scale),
+            _ptr_or_none(cache.v_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            row_seq.data_ptr(), row_pos.data_ptr(), rows, heads, cache.k.shape[1], dim, block_size, scale,
+            window or 0, torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
+
+
+def _ptr_or_none(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _row_view_ok(t: torch.Tensor) -> bool:
@@ -313,6 +325,7 @@ class DecoderLayerDesc(ctypes.Structure):
         ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
         ("qkv", QLinearDesc), ("o", QLinearDesc), ("gate_up", QLinearDesc), ("down", QLinearDesc),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -321,7 +334,8 @@ class DecoderModelDesc(ctypes.Structure):
         ("layers", ctypes.POINTER(DecoderLayerDesc)), ("final_norm", ctypes.c_void_p),
         ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
         ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-        ("block_size", ctypes.c_int), ("window", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("block_size", ctypes.c_int), ("window", ctypes.c_int), ("kv_int8", ctypes.c_int),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
     ]  # fmt: skip
 
 

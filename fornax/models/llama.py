@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
-from fornax.layers import hugepages
+from fornax.layers.kv_pool import LayerKV, bytes_per_token
 from fornax.layers.attention import AttentionMetadata, paged_attention
 from fornax.layers.linear import Linear
 from fornax.layers.norm import RMSNorm
@@ -24,23 +24,22 @@ from fornax.layers.rotary import RotaryEmbedding
 
 
 class KVCache:
-    """Per-layer K and V pools: [num_blocks * block_size, num_kv_heads, head_dim] each."""
+    """Per-layer K and V pools (layers/kv_pool.py): [num_blocks * block_size, num_kv_heads, head_dim]
+    each, in the model's dtype or (kv_cache_dtype "int8") as int8 rows with scales."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        shape = (num_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        # Not zero-filled (that costs ~1.5 s per GiB at start-up): attention only ever reads
-        # slots written earlier in the same request, plus slot 0 as the gather target of
-        # padding. Slot 0 is zeroed so that padding never multiplies garbage (NaN * 0 = NaN).
-        # On huge pages: K/V rows are read scattered by block (layers/hugepages.py).
-        self.k = [hugepages.empty(shape, dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [hugepages.empty(shape, dtype) for _ in range(config.num_hidden_layers)]
-        for pool in self.k + self.v:
-            pool[0].zero_()
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> None:
+        num_slots = num_blocks * block_size
+        self.layers = [
+            LayerKV.allocate(num_slots, config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.num_blocks, self.block_size, self.kv_cache_dtype = num_blocks, block_size, kv_cache_dtype
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * config.num_key_value_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        per_token = bytes_per_token(config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
         return per_token * block_size * config.num_hidden_layers
 
 
@@ -64,8 +63,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -79,7 +77,7 @@ class Attention(nn.Module):
         else:  # Q and K heads are adjacent in each row: one call rotates both
             qk = self.ops.rotary_(qkv, h + hkv, cos, sin)  # [T, H + Hkv, D]
             q, k = qk[:, :h], qk[:, h:]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -102,12 +100,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, residual, cos_sin, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+    def forward(self, x, residual, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
         """x: the previous layer's output (its MLP's), residual: the stream before it (None at the
         first layer). Returns the same pair for the next layer, so that each residual add is
         fused with the norm that follows it: residual + x is exactly the old `h = x + ...`."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        a = self.self_attn(h, cos_sin, k_cache, v_cache, meta)
+        a = self.self_attn(h, cos_sin, kv, meta)
         h, residual = self.post_attention_layernorm.add_forward(a, residual)
         return self.mlp(h), residual
 
@@ -137,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos_sin, kv_cache.k[i], kv_cache.v[i], meta)
+            x, residual = layer(x, residual, cos_sin, kv_cache.layers[i], meta)
         return self.norm.add_forward(x, residual)[0]
 
     def linear_sources(self) -> list[tuple[Linear, list[str]]]:

@@ -90,7 +90,7 @@ class NativeStep:
             desc = DecoderModelDesc(
                 array, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
-                c.rms_norm_eps, first.scale,
+                int(kv_cache.kv_cache_dtype == "int8"), c.rms_norm_eps, first.scale,
             )  # fmt: skip
             self.tiers.append((max_rows, desc))
         self.max_rows = max(rows for rows, _ in self.tiers)
@@ -124,7 +124,7 @@ class NativeStep:
     @staticmethod
     def _layer_descs(model: LlamaForCausalLM, kv_cache: KVCache, attr: str) -> list[DecoderLayerDesc] | None:
         layers = []
-        for i, layer in enumerate(model.layers):
+        for layer, kv in zip(model.layers, kv_cache.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             projections = [_qlinear(x, getattr(x, attr)) for x in linears]
@@ -132,7 +132,7 @@ class NativeStep:
                 return None
             layers.append(DecoderLayerDesc(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), *projections,
-                _ptr(kv_cache.k[i]), _ptr(kv_cache.v[i]),
+                _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
             ))  # fmt: skip
         return layers
 

@@ -5,7 +5,9 @@ the same greedy tokens and the same logprobs, to the last bit, on tiny random mo
 family it covers (plain Llama, Llama 3 RoPE scaling with tied embeddings, Mistral's sliding
 window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights, with dense bf16
 weights (the native bf16 matmul) and with int8 x int8 steps (Int8Rotated), for batches of
-decodes, short prompts it prefills itself, and speculative verification rows. Qwen3's
+decodes, short prompts it prefills itself, and speculative verification rows, with K/V
+pools in the model's dtype and in int8 (the step's kv_store_i8 against kv_pool.py's
+quantize_rows, bit for bit). Qwen3's
 per-head Q/K norms are not in the C step: such a model must run op by op.
 """
 
@@ -46,23 +48,26 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization,small_rows,large",
+    "dtype,quantization,small_rows,large,kv",
     [
-        ("bfloat16", "int4", 24, None),
-        ("float32", "int8", 24, None),
-        ("bfloat16", "int8", 24, None),
-        ("bfloat16", None, 24, None),
-        ("bfloat16", "int4", 2, None),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
-        ("bfloat16", "int4", 2, "w8a8"),  # 3-4 rows: the int8 x int8 tier, in place of the mid one
-        ("bfloat16", None, 0, "w8a8"),  # every step int8 x int8
-        ("float32", "int8", 1 << 30, None),  # every step int8, the 91-row prefill in chunks of 64
+        ("bfloat16", "int4", 24, None, "auto"),
+        ("float32", "int8", 24, None, "auto"),
+        ("bfloat16", "int8", 24, None, "auto"),
+        ("bfloat16", None, 24, None, "auto"),
+        ("bfloat16", "int4", 2, None, "auto"),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
+        ("bfloat16", "int4", 2, "w8a8", "auto"),  # 3-4 rows: the int8 x int8 tier, in place of the mid one
+        ("bfloat16", None, 0, "w8a8", "auto"),  # every step int8 x int8
+        ("float32", "int8", 1 << 30, None, "auto"),  # every step int8, the 91-row prefill in chunks of 64
+        ("bfloat16", "int4", 24, None, "int8"),  # int8 K/V: the step quantizes rows as torch does
+        ("float32", "int8", 1 << 30, None, "int8"),
     ],
 )
-def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, large):
+def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, large, kv):
     arch, path = tiny_dir
     fused, op_by_op = _pair(
-        path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows, large_step_quantization=large
-    )
+        path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows, large_step_quantization=large,
+        kv_cache_dtype=kv,
+    )  # fmt: skip
     if arch == "qwen3":
         assert fused.engine.runner.native_step is None
         return

@@ -133,3 +133,19 @@ def test_quantized_perplexity_stays_close_to_bf16(default_gguf):
     w8a8 = LLM(str(default_gguf), small_step_max_rows=0, large_step_quantization="w8a8", large_step_min_rows=1, progress=False)
     ppl["w8a8"] = perplexity(w8a8, text, window=256, max_windows=3)
     assert ppl["w8a8"].perplexity <= base * 1.02, ppl
+
+
+def test_int8_kv_cache_perplexity_stays_close(default_gguf):
+    """int8 K/V (one scale per token and head) against the model's dtype, with prompts prefilled
+    in chunks of 64 so each chunk attends to earlier ones through the cache. Measured: +0.4%
+    (24.29 vs 24.19). The perplexities must differ: equal ones would mean the int8 rows were
+    never read."""
+    text = load_corpus()
+    ppl = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(str(default_gguf), kv_cache_dtype=kv, max_num_batched_tokens=64, progress=False)
+        ppl[kv] = perplexity(llm, text, window=256, max_windows=3).perplexity
+        llm.engine.check_integrity()
+        del llm
+    assert ppl["int8"] != ppl["auto"], ppl
+    assert ppl["int8"] <= ppl["auto"] * 1.01, ppl

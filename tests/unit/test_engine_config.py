@@ -43,3 +43,26 @@ def test_large_step_quantization_and_the_small_step_limit_it_implies():
         EngineConfig(large_step_quantization="w8a8", dtype="float32")
     with pytest.raises(ConfigError, match="needs dtype 'bfloat16' and kernel_backend 'native'"):
         EngineConfig(large_step_quantization="w8a8", kernel_backend="torch")
+
+
+def test_kv_cache_dtype_is_checked_and_reaches_the_command_line():
+    import torch
+
+    from fornax.cli import build_parser
+    from fornax.config import CacheConfig, ModelConfig
+    from fornax.models.llama import KVCache
+
+    assert CacheConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8"):
+        CacheConfig(kv_cache_dtype="fp8")
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert args.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    # int8 rows with a float32 scale per head row: (64 + 4) bytes against 2 * 64 for bf16,
+    # so the same memory budget holds ~1.9x the blocks
+    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                      num_hidden_layers=30, intermediate_size=1536, vocab_size=49152, head_dim=64)  # fmt: skip
+    bf16 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+    int8 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "int8")
+    assert bf16 == 2 * 3 * 64 * 2 * 16 * 30 and int8 == 2 * 3 * (64 + 4) * 16 * 30

@@ -31,9 +31,10 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         kernel_backend: str = "native",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
-        self.kv_cache = KVCache(config, num_blocks, block_size, dtype)
+        self.kv_cache = KVCache(config, num_blocks, block_size, dtype, kv_cache_dtype)
         kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
         model.use_ops(layer_ops(kernel_backend, dtype))

@@ -8,7 +8,8 @@
  *
  * It calls the very kernels the op-by-op native path calls (fused_ops.c, quant_matmul.c,
  * bf16_matmul.c, int8_matmul.c, paged_attention.c), in the same order with the same roundings, so its
- * output is the same to the bit; tests/model/test_native_step.py checks that. It covers steps
+ * output is the same to the bit; tests/model/test_native_step.py checks that (with int8 K/V
+ * caches too: kv_store_i8 writes the bits fornax/layers/kv_pool.py writes). It covers steps
  * where every sequence's new tokens go to the paged-attention kernel and every projection has
  * a native form for the step's rows (4-bit, 8-bit, bf16, or int8 x int8); anything else runs
  * op by op (fornax/models/native_step.py).
@@ -42,6 +43,7 @@ typedef struct {
     const void *input_norm, *post_norm; /* [hidden] */
     qlinear qkv, o, gate_up, down;      /* qkv rows: [q | k | v]; gate_up rows: [gate | up] */
     void *k_cache, *v_cache;            /* [num_slots, num_kv_heads, head_dim] */
+    float *k_scale, *v_scale;           /* int8 caches: [num_slots, num_kv_heads]; else NULL */
 } decoder_layer;
 
 typedef struct {
@@ -49,6 +51,7 @@ typedef struct {
     const void *final_norm;
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, window; /* window 0: none */
+    int kv_int8;            /* the caches are int8 rows with scales (paged_attention.c) */
     float eps, scale;
 } decoder_model;
 
@@ -71,9 +74,14 @@ typedef struct {
                            float, int);                                                          \
     void rotary_##SUFFIX(T *, long, int, int, int, const T *, const T *, int);                   \
     void silu_mul_##SUFFIX(const T *, long, T *, int, int, int);                                 \
-    int paged_attention_##SUFFIX(const T *, long, const T *, const T *, T *, const int32_t *,    \
-                                 int, const int32_t *, const int32_t *, int, int, int, int, int, \
-                                 float, int, int);
+    int paged_attention_##SUFFIX(const T *, long, const T *, const T *, const float *,          \
+                                 const float *, T *, const int32_t *, int, const int32_t *,      \
+                                 const int32_t *, int, int, int, int, int, float, int, int);     \
+    int paged_attention_##SUFFIX##_i8(const T *, long, const int8_t *, const int8_t *,           \
+                                      const float *, const float *, T *, const int32_t *, int,   \
+                                      const int32_t *, const int32_t *, int, int, int, int, int, \
+                                      float, int, int);                                          \
+    void kv_store_i8_##SUFFIX(const T *, long, int, const int64_t *, int, int, int8_t *, float *);
 
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)
@@ -149,16 +157,30 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
             }                                                                                    \
             bad |= PROJECT(&ly->qkv, h, hid, rows, qkv, nt);                                     \
             rotary_##SUFFIX(qkv, qkv_w, rows, md->num_heads + md->num_kv_heads, d, cos, sin, nt); \
-            T *kc = ly->k_cache, *vc = ly->v_cache;                                              \
-            for (int r = 0; r < rows; r++) {                                                     \
-                memcpy(kc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size, sizeof(T) * kv_size); \
-                memcpy(vc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size + kv_size,    \
-                       sizeof(T) * kv_size);                                                     \
+            if (md->kv_int8) {                                                                   \
+                int8_t *kc = ly->k_cache, *vc = ly->v_cache;                                     \
+                kv_store_i8_##SUFFIX(qkv + q_size, qkv_w, rows, st->slots, md->num_kv_heads, d,  \
+                                     kc, ly->k_scale);                                           \
+                kv_store_i8_##SUFFIX(qkv + q_size + kv_size, qkv_w, rows, st->slots,             \
+                                     md->num_kv_heads, d, vc, ly->v_scale);                      \
+                bad |= paged_attention_##SUFFIX##_i8(qkv, qkv_w, kc, vc, ly->k_scale, ly->v_scale, \
+                                                     attn, st->block_tables, st->max_blocks,     \
+                                                     st->row_seq, st->row_pos, rows,             \
+                                                     md->num_heads, md->num_kv_heads, d,         \
+                                                     md->block_size, md->scale, md->window, nt); \
+            } else {                                                                             \
+                T *kc = ly->k_cache, *vc = ly->v_cache;                                          \
+                for (int r = 0; r < rows; r++) {                                                 \
+                    memcpy(kc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size,          \
+                           sizeof(T) * kv_size);                                                 \
+                    memcpy(vc + st->slots[r] * kv_size, qkv + (long)r * qkv_w + q_size + kv_size, \
+                           sizeof(T) * kv_size);                                                 \
+                }                                                                                \
+                bad |= paged_attention_##SUFFIX(qkv, qkv_w, kc, vc, 0, 0, attn, st->block_tables, \
+                                                st->max_blocks, st->row_seq, st->row_pos, rows,  \
+                                                md->num_heads, md->num_kv_heads, d,              \
+                                                md->block_size, md->scale, md->window, nt);      \
             }                                                                                    \
-            bad |= paged_attention_##SUFFIX(qkv, qkv_w, kc, vc, attn, st->block_tables,         \
-                                            st->max_blocks, st->row_seq, st->row_pos, rows,      \
-                                            md->num_heads, md->num_kv_heads, d, md->block_size,  \
-                                            md->scale, md->window, nt);                          \
             bad |= PROJECT(&ly->o, attn, q_size, rows, mlp, nt);                                 \
             rms_norm_##SUFFIX(mlp, hid, residual, hid, residual, ly->post_norm, h, rows, hid,    \
                               md->eps, nt);                                                      \

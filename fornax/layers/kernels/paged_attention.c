@@ -20,6 +20,12 @@
  * ad hoc A/B of builds side by side). Work items are (row, KV-head chunk, key part)
  * triples (see DEFINE_PAGED_ATTENTION); the query heads that share a KV head are handled
  * together so each K/V row is loaded once for all of them.
+ *
+ * int8 caches (--kv-cache-dtype int8): each (slot, KV head) row of head_dim values is int8
+ * with one float32 scale, k_scale/v_scale [num_slots, num_kv_heads]; row = int8 * scale.
+ * Long-context decode attention is bound by reading K/V from memory, and this halves the
+ * bytes. kv_store_i8_* below writes rows in that form; fornax/layers/kv_pool.py is the
+ * torch twin (same arithmetic, same bits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,8 +135,15 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
             for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
     }
 #endif
+#if defined(__AVX512F__)
+static inline __m512 vload_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#endif
+#define LOAD_I8(p, i) ((float)(p)[i])
 DEFINE_PV_TILE(pv_tile_bf16, uint16_t, vload_bf16, LOAD_BF16)
 DEFINE_PV_TILE(pv_tile_f32, float, vload_f32, LOAD_F32)
+DEFINE_PV_TILE(pv_tile_i8, int8_t, vload_i8, LOAD_I8)
 
 /* The value pass for all `group` query heads of one KV head at once: each V row is loaded
  * (and converted) once for the group instead of once per head, with the same per-head
@@ -191,6 +204,68 @@ DEFINE_PV_TILE(pv_tile_f32, float, vload_f32, LOAD_F32)
 #endif
 DEFINE_PV_GROUP(pv_group_bf16, uint16_t, vload_bf16)
 DEFINE_PV_GROUP(pv_group_f32, float, vload_f32)
+DEFINE_PV_GROUP(pv_group_i8, int8_t, vload_i8)
+
+/* Scores against int8 K rows, 16 keys at a time. Per key and KV head the row is converted to
+ * float32 once, into registers (D a constant: 64 or 128), and multiplied with each of its
+ * group's pre-scaled float32 queries; the 16-lane products are kept (part[h][t]) and summed
+ * for 16 keys at once by reduce16, then scaled by the rows' scales. A horizontal sum per key
+ * and head (_mm512_reduce_add_ps) was most of the kernel's time; converting the row into a
+ * buffer and reloading it, another quarter (perf, 2026-12-03). */
+#if defined(__AVX512F__)
+#define I8_KEYS 16
+static inline __attribute__((always_inline)) void i8_row_partials_d(const int D, const int8_t *kr, const float *qf,
+                                                                    int group, __m512 *part) {
+    __m512 kf[8];
+    for (int c = 0; c < D / 16; c++) kf[c] = vload_i8(kr + 16 * c);
+    for (int g = 0; g < group; g++) {
+        const float *qh = qf + (long)g * D;
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qh), kf[0]), a1 = _mm512_mul_ps(_mm512_loadu_ps(qh + 16), kf[1]);
+        for (int c = 2; c < D / 16; c += 2) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kf[c], a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c + 16), kf[c + 1], a1);
+        }
+        part[g * I8_KEYS] = _mm512_add_ps(a0, a1);
+    }
+}
+/* part: [group][I8_KEYS] products of this key (slot t of the batch) */
+static inline __attribute__((always_inline)) void i8_row_partials(const int8_t *kr, const float *qf, int group,
+                                                                  int head_dim, __m512 *part) {
+    if (head_dim == 64) i8_row_partials_d(64, kr, qf, group, part);
+    else i8_row_partials_d(128, kr, qf, group, part);
+}
+/* The batch's `count` keys (from key j0 on): scores[h * n + j0 + t] for every head. */
+static inline void i8_flush_partials(__m512 *part, const float *ks, int nh, int group, int count, float *scores,
+                                     long n, int j0) {
+    const __mmask16 keep = (__mmask16)((1u << count) - 1);
+    for (int h = 0; h < nh; h++) {
+        __m512 *ph = part + (long)h * I8_KEYS;
+        for (int t = count; t < I8_KEYS; t++) ph[t] = _mm512_setzero_ps();
+        const __m512 sums = _mm512_mul_ps(reduce16(ph), _mm512_loadu_ps(ks + (h / group) * I8_KEYS));
+        _mm512_mask_storeu_ps(scores + (long)h * n + j0, keep, sums);
+    }
+}
+#define I8_BATCHED(head_dim) ((head_dim) == 64 || (head_dim) == 128)
+#define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) \
+    i8_row_partials(kr, qf, group, head_dim, (__m512 *)(part) + (hk) * I8_KEYS + (t))
+#define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) \
+    i8_flush_partials((__m512 *)(part), ks, nh, group, count, scores, n, j0)
+#else
+#define I8_KEYS 16
+#define I8_BATCHED(head_dim) 0
+#define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) ((void)0)
+#define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) ((void)0)
+#endif
+
+static inline void row_to_f32_i8(float *dst, const int8_t *src, int n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, vload_i8(src + d));
+        return;
+    }
+#endif
+    for (int d = 0; d < n; d++) dst[d] = (float)src[d];
+}
 
 /* Scores of one key for the query heads of KV heads [kvh0, kvh0 + nkv), bf16 K against the
  * bf16 queries as they are, with AVX-512 BF16 dot products (each product exact in float32,
@@ -231,9 +306,10 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
  * Returns nonzero when out of memory. */
 #define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, PV_TILE, KEY_SCORES, PV_GROUP)                    \
     static int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache,           \
-                    const int32_t *table, int k0, int k1, int r, int kvh0, int kvh1,             \
-                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,  \
-                    float *m, float *l, float *acc) {                                            \
+                    const float *k_scale, const float *v_scale, const int32_t *table, int k0,    \
+                    int k1, int r, int kvh0, int kvh1, int num_heads, int num_kv_heads,          \
+                    int head_dim, int block_size, float scale, float *m, float *l, float *acc) { \
+        (void)k_scale, (void)v_scale; /* float caches carry no scales */                        \
         const int group = num_heads / num_kv_heads, nh = (kvh1 - kvh0) * group;                  \
         const int n = k1 - k0;                                                                   \
         const long kv_row = (long)num_kv_heads * head_dim, h0 = (long)kvh0 * group;               \
@@ -293,6 +369,100 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
         return 0;                                                                                \
     }
 
+/* The same for int8 caches: the K row of each KV head is converted to float32 once and
+ * scored against the group's (pre-scaled) float32 queries, times the row's scale; after the
+ * softmax sums, each key's weight is multiplied by its V row's scale, so the value pass
+ * reads int8 V rows unscaled. T is the query (and output) type. */
+#define DEFINE_ROW_PART_I8(NAME, T, LOAD)                                                        \
+    static int NAME(const T *q, long q_row_stride, const int8_t *k_cache, const int8_t *v_cache, \
+                    const float *k_scale, const float *v_scale, const int32_t *table, int k0,    \
+                    int k1, int r, int kvh0, int kvh1, int num_heads, int num_kv_heads,          \
+                    int head_dim, int block_size, float scale, float *m, float *l, float *acc) { \
+        const int group = num_heads / num_kv_heads, nh = (kvh1 - kvh0) * group;                  \
+        const int n = k1 - k0;                                                                   \
+        const long kv_row = (long)num_kv_heads * head_dim, h0 = (long)kvh0 * group;               \
+        for (int h = 0; h < nh; h++) { m[h] = -INFINITY; l[h] = 0.f; }                           \
+        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                                  \
+        if (n <= 0) return 0;                                                                    \
+        const int nkv = kvh1 - kvh0, batched = I8_BATCHED(head_dim);                             \
+        /* part: [nh][I8_KEYS] vectors of 16 floats (reduce16's input); ks: [nkv][I8_KEYS] */  \
+        const size_t part_floats = batched ? (size_t)nh * I8_KEYS * 16 : 0;                      \
+        float *qf = malloc(sizeof(float) * ((size_t)nh * head_dim + (size_t)(nh + nkv) * n + head_dim \
+                                            + part_floats + 16 + (size_t)nkv * I8_KEYS));         \
+        if (!qf) return 1;                                                                       \
+        /* vs: each key's V scale per KV head, [nkv][n], read here so the weights can be scaled \
+         * in contiguous runs later (a gather of them per key was ~a quarter of the kernel) */  \
+        float *scores = qf + (long)nh * head_dim, *vs = scores + (long)nh * n, *kv = vs + (long)nkv * n; \
+        /* part is read and written as whole vectors: 64-byte aligned */                       \
+        float *part = (float *)(((uintptr_t)(kv + head_dim) + 63) & ~(uintptr_t)63);             \
+        float *ks_batch = part + part_floats;                                                    \
+        for (int h = 0; h < nh; h++) {                                                           \
+            const T *qh = q + r * q_row_stride + (h0 + h) * head_dim;                            \
+            for (int d = 0; d < head_dim; d++) qf[(long)h * head_dim + d] = LOAD(qh, d) * scale; \
+        }                                                                                        \
+        const long row_bytes = (long)(kvh1 - kvh0) * head_dim;                                   \
+        int pf_off = (k0 + PREFETCH_KEYS_AHEAD) % block_size;                                    \
+        int pf_blk = (k0 + PREFETCH_KEYS_AHEAD) / block_size;                                    \
+        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; j++) {              \
+            const long slot = (long)table[blk] * block_size + off;                               \
+            if (++off == block_size) { off = 0; blk++; }                                         \
+            if (j + PREFETCH_KEYS_AHEAD < n) {                                                   \
+                const long pf_slot = (long)table[pf_blk] * block_size + pf_off;                  \
+                const long pf = pf_slot * kv_row + (long)kvh0 * head_dim;                        \
+                prefetch_bytes(k_cache + pf, row_bytes);                                         \
+                prefetch_bytes(v_cache + pf, row_bytes);                                         \
+                if (pf_off == 0) { /* a block's scales are one short run */                      \
+                    __builtin_prefetch(k_scale + pf_slot * num_kv_heads, 0, 3);                  \
+                    __builtin_prefetch(v_scale + pf_slot * num_kv_heads, 0, 3);                  \
+                }                                                                                \
+                if (++pf_off == block_size) { pf_off = 0; pf_blk++; }                           \
+            }                                                                                    \
+            const int t = j % I8_KEYS;                                                           \
+            for (int kh = kvh0; kh < kvh1; kh++) {                                               \
+                vs[(long)(kh - kvh0) * n + j] = v_scale[slot * num_kv_heads + kh];               \
+                const int8_t *kr = k_cache + slot * kv_row + (long)kh * head_dim;                \
+                const float ks = k_scale[slot * num_kv_heads + kh];                              \
+                const long hk = (long)(kh - kvh0) * group;                                       \
+                if (batched) {                                                                   \
+                    ks_batch[(kh - kvh0) * I8_KEYS + t] = ks;                                    \
+                    I8_PARTIALS(kr, qf + hk * head_dim, group, head_dim, part, hk, t);           \
+                    continue;                                                                    \
+                }                                                                                \
+                row_to_f32_i8(kv, kr, head_dim);                                                 \
+                for (int g = 0; g < group; g++) {                                                \
+                    const int h = (kh - kvh0) * group + g;                                       \
+                    scores[(long)h * n + j] = dot_f32(qf + (long)h * head_dim, kv, head_dim) * ks; \
+                }                                                                                \
+            }                                                                                    \
+            if (batched && (t == I8_KEYS - 1 || j == n - 1))                                     \
+                I8_FLUSH(part, ks_batch, nh, group, t + 1, scores, n, j - t);                    \
+        }                                                                                        \
+        for (int h = 0; h < nh; h++) l[h] = exp_shifted_sum(scores + (long)h * n, n, m + h);     \
+        for (int kh = kvh0; kh < kvh1; kh++)                                                     \
+            for (int g = 0; g < group; g++) {                                                    \
+                float *w = scores + (long)((kh - kvh0) * group + g) * n;                         \
+                const float *vsk = vs + (long)(kh - kvh0) * n;                                   \
+                for (int j = 0; j < n; j++) w[j] *= vsk[j];                                      \
+            }                                                                                    \
+        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; blk++, off = 0) {  \
+            const int run = block_size - off < n - j ? block_size - off : n - j;                 \
+            const long slot = (long)table[blk] * block_size + off;                               \
+            for (int kh = kvh0; kh < kvh1; kh++) {                                               \
+                const int8_t *vr = v_cache + slot * kv_row + (long)kh * head_dim;                \
+                const int h0k = (kh - kvh0) * group;                                             \
+                if (pv_group_i8(group, acc + (long)h0k * head_dim, scores + (long)h0k * n + j, n, vr, kv_row, run, head_dim)) \
+                    continue;                                                                    \
+                for (int g = 0; g < group; g++) {                                                \
+                    const int h = h0k + g;                                                       \
+                    pv_tile_i8(acc + (long)h * head_dim, scores + (long)h * n + j, vr, kv_row, run, head_dim); \
+                }                                                                                \
+            }                                                                                    \
+            j += run;                                                                            \
+        }                                                                                        \
+        free(qf);                                                                                \
+        return 0;                                                                                \
+    }
+
 /* Work items are (row, KV-head chunk, key part) triples. Whole rows when there are enough
  * rows to keep every thread busy. With few rows, a long one is split into parts of at least
  * MIN_PART_KEYS keys (all heads: whole K/V rows, read sequentially), merged in a second pass
@@ -302,11 +472,12 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
  * keys went per KV head instead, reading 128 of every 384 bytes, and its attention took ~57%
  * of the time of its layer's matmuls; at 32, ~31% (perf, one run each, 2026-12-03). */
 #define MIN_PART_KEYS 32
-#define DEFINE_PAGED_ATTENTION(NAME, PART, T, STORE)                                             \
-    int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache, T *out,          \
-             const int32_t *block_tables, int max_blocks, const int32_t *row_seq,                \
-             const int32_t *row_pos, int num_rows, int num_heads, int num_kv_heads,              \
-             int head_dim, int block_size, float scale, int window, int num_threads) {           \
+#define DEFINE_PAGED_ATTENTION(NAME, PART, T, C, STORE)                                          \
+    int NAME(const T *q, long q_row_stride, const C *k_cache, const C *v_cache,                  \
+             const float *k_scale, const float *v_scale, T *out, const int32_t *block_tables,    \
+             int max_blocks, const int32_t *row_seq, const int32_t *row_pos, int num_rows,       \
+             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,         \
+             int window, int num_threads) {                                                      \
         if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_rows <= 0) return num_rows < 0; \
         int longest = 0;                                                                         \
         for (int r = 0; r < num_rows; r++) longest = row_pos[r] + 1 > longest ? row_pos[r] + 1 : longest; \
@@ -338,7 +509,8 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
             const int k0 = first + (int)((long)n * part / parts);                                \
             const int k1 = first + (int)((long)n * (part + 1) / parts);                          \
             float *m = scratch + item * stride, *l = m + nh, *acc = l + nh;                      \
-            if (PART(q, q_row_stride, k_cache, v_cache, block_tables + (long)row_seq[r] * max_blocks, \
+            if (PART(q, q_row_stride, k_cache, v_cache, k_scale, v_scale,                       \
+                     block_tables + (long)row_seq[r] * max_blocks,                               \
                      k0, k1, r, kvh0, kvh0 + chunk, num_heads, num_kv_heads, head_dim,           \
                      block_size, scale, m, l, acc))                                              \
                 failed = 1;                                                                      \
@@ -377,5 +549,32 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
 
 DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, pv_tile_f32, key_scores_f32, pv_group_f32)
 DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, pv_tile_bf16, key_scores_bf16, pv_group_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, row_part_f32, float, STORE_F32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, row_part_bf16, uint16_t, STORE_BF16)
+DEFINE_ROW_PART_I8(row_part_f32_i8, float, LOAD_F32)
+DEFINE_ROW_PART_I8(row_part_bf16_i8, uint16_t, LOAD_BF16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, row_part_f32, float, float, STORE_F32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, row_part_bf16, uint16_t, uint16_t, STORE_BF16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_i8, row_part_f32_i8, float, int8_t, STORE_F32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_i8, row_part_bf16_i8, uint16_t, int8_t, STORE_BF16)
+
+/* Quantize `rows` rows of new K or V ([rows, num_kv_heads, head_dim], row stride src_stride)
+ * into an int8 cache at slots[r]: per (row, KV head), scale = max|x| / 127 and
+ * q = round-to-nearest-even(x / scale), scale 0 for an all-zero row (divided by 1). The
+ * operations are those of fornax/layers/kv_pool.py quantize_rows, in the same order (IEEE
+ * division, default rounding), so both write the same bits. */
+#define DEFINE_KV_STORE_I8(NAME, T, LOAD)                                                        \
+    void NAME(const T *src, long src_stride, int rows, const int64_t *slots, int num_kv_heads,   \
+              int head_dim, int8_t *cache, float *scales) {                                      \
+        for (int r = 0; r < rows; r++)                                                           \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
+                const T *x = src + r * src_stride + (long)kh * head_dim;                         \
+                float amax = 0.f;                                                                \
+                for (int d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(LOAD(x, d)));        \
+                const float s = amax / 127.f, div = s > 0.f ? s : 1.f;                           \
+                int8_t *dst = cache + (slots[r] * num_kv_heads + kh) * (long)head_dim;           \
+                for (int d = 0; d < head_dim; d++)                                               \
+                    dst[d] = (int8_t)fminf(fmaxf(nearbyintf(LOAD(x, d) / div), -127.f), 127.f);  \
+                scales[slots[r] * num_kv_heads + kh] = s;                                        \
+            }                                                                                    \
+    }
+DEFINE_KV_STORE_I8(kv_store_i8_f32, float, LOAD_F32)
+DEFINE_KV_STORE_I8(kv_store_i8_bf16, uint16_t, LOAD_BF16)

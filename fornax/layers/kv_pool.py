@@ -1,0 +1,95 @@
+"""One layer's paged K/V pools, in the model's dtype or as int8 rows with scales.
+
+Slots are flat (block_id * block_size + offset); each pool is [num_slots, num_kv_heads,
+head_dim]. With `--kv-cache-dtype int8` every (slot, KV head) row of head_dim values is
+stored as int8 with one float32 scale, row = int8 * scale (symmetric, scale = max|x| / 127).
+
+Why int8: a decode step at long context spends its attention time reading K/V from memory
+(the kernel is bound by that, not by arithmetic; paged_attention.c), so half the bytes is
+the lever. One scale per head row (64 values for the default model) follows the rows'
+own range, as llama.cpp's q8_0 cache does with blocks of 32. Each row costs head_dim + 4
+bytes instead of 2 * head_dim.
+
+`quantize_rows` is the torch twin of kernels/paged_attention.c kv_store_i8_*: the same
+operations in the same order, so the op-by-op path and the one-call step write the same
+bits (tests/model/test_native_step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fornax.layers import hugepages
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (int8 [..., D], float32 scales [...]): round-to-nearest-even of x / scale."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows stay zero
+    q = torch.round(xf / divisor.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """K and V of one token in one layer."""
+    if kv_cache_dtype == "int8":
+        return 2 * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per head row
+    return 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class LayerKV:
+    k: torch.Tensor  # [num_slots, Hkv, D]: the model's dtype, or int8
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_slots, Hkv] float32 for int8 pools
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> LayerKV:
+        # Not zero-filled (that costs ~1.5 s per GiB at start-up): attention only ever reads
+        # slots written earlier in the same request, plus slot 0 as the gather target of
+        # padding. Slot 0 is zeroed so that padding never multiplies garbage (NaN * 0 = NaN).
+        # On huge pages: K/V rows are read scattered by block (layers/hugepages.py).
+        shape = (num_slots, num_kv_heads, head_dim)
+        quantized = kv_cache_dtype == "int8"
+        store = torch.int8 if quantized else dtype
+        pools = [hugepages.empty(shape, store) for _ in range(2)]
+        scales = [hugepages.empty(shape[:2], torch.float32) for _ in range(2)] if quantized else [None, None]
+        for t in pools + scales:
+            if t is not None:
+                t[0].zero_()
+        return cls(pools[0], pools[1], scales[0], scales[1])
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new rows k, v ([T, Hkv, D]) at slots ([T])."""
+        if self.k_scale is None or self.v_scale is None:
+            self.k.index_copy_(0, slots, k)
+            self.v.index_copy_(0, slots, v)
+            return
+        for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize_rows(x)
+            pool.index_copy_(0, slots, q)
+            scales.index_copy_(0, slots, s)
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at slots (any shape S): [*S, Hkv, D] in dtype."""
+        if self.k_scale is None or self.v_scale is None:
+            return self.k[slots], self.v[slots]
+        return (
+            dequantize_rows(self.k[slots], self.k_scale[slots], dtype),
+            dequantize_rows(self.v[slots], self.v_scale[slots], dtype),
+        )
