@@ -20,6 +20,7 @@ import torch
 from _timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.attention import SeqSpan, build_attention_metadata, paged_attention
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.native import load_paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -33,8 +34,7 @@ def one_case(batch: int, context: int, dtype: torch.dtype, kernel) -> tuple[floa
     rng.shuffle(free)
     spans = [SeqSpan(n - 1, 1, [free.pop() for _ in range(-(-n // BLOCK))]) for n in lengths]
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    cache = LayerKV(*(torch.randn(num_blocks * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype) for _ in "kv"))
     q = torch.randn(batch, HEADS, DIM, generator=gen).to(dtype)
     k = torch.randn(batch, KV_HEADS, DIM, generator=gen).to(dtype)
     v = torch.randn(batch, KV_HEADS, DIM, generator=gen).to(dtype)
@@ -42,8 +42,8 @@ def one_case(batch: int, context: int, dtype: torch.dtype, kernel) -> tuple[floa
     # Metadata is built once per step and shared by all layers, so it is outside the timing.
     metas = {name: build_attention_metadata(spans, BLOCK, kernel=kn) for name, kn in (("torch", None), ("native", kernel))}
     with torch.inference_mode():
-        outs = {name: paged_attention(q, k, v, k_cache, v_cache, m, scale).float() for name, m in metas.items()}
-        times = {name: median_ms(lambda m=m: paged_attention(q, k, v, k_cache, v_cache, m, scale)) for name, m in metas.items()}
+        outs = {name: paged_attention(q, k, v, cache, m, scale).float() for name, m in metas.items()}
+        times = {name: median_ms(lambda m=m: paged_attention(q, k, v, cache, m, scale)) for name, m in metas.items()}
     return times["torch"], times["native"], (outs["torch"] - outs["native"]).abs().max().item()
 
 

@@ -29,6 +29,7 @@ from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path 
 
 from fornax.layers import hugepages
 from fornax.layers.attention import SeqSpan, build_attention_metadata, paged_attention
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.linear import Int8Rotated
 from fornax.layers.native import load_int8_matmul, load_paged_attention
 
@@ -36,13 +37,13 @@ LAYERS, HEADS, KV_HEADS, DIM, BLOCK, POOL_BLOCKS = 30, 9, 3, 64, 16, 4096
 
 
 def side_by_side(label: str, passes: dict[str, Callable[[], float]]) -> None:
-    """Median ms of each pass (they take turns), and plain / huge."""
+    """Median ms of each of two passes (they take turns), and the first / the second."""
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(15):
         for name, run in passes.items():
             times[name].append(run())
-    plain, huge = (statistics.median(times[n]) for n in ("plain", "huge"))
-    print(f"{label:<26} plain {plain:8.2f} ms   huge {huge:8.2f} ms   plain / huge {plain / huge:5.2f}x", flush=True)
+    (a, ta), (b, tb) = ((n, statistics.median(t)) for n, t in times.items())
+    print(f"{label:<26} {a} {ta:8.2f} ms   {b} {tb:8.2f} ms   {a} / {b} {ta / tb:5.2f}x", flush=True)
 
 
 def weights_case(rows: int, forms: dict[str, list[Int8Rotated]]) -> None:
@@ -58,33 +59,36 @@ def weights_case(rows: int, forms: dict[str, list[Int8Rotated]]) -> None:
     side_by_side(f"weights, {rows} rows", {name: lambda m=mods: run(m) for name, mods in forms.items()})
 
 
-def attention_case(batch: int, context: int, kernel) -> None:
+def attention_case(batch: int, context: int, kernel, variants: Callable[[tuple[int, int, int]], dict[str, list[LayerKV]]]) -> None:
+    """variants(pool shape) -> two named sets of LAYERS pools, timed in turns."""
     rng = random.Random(batch * 100003 + context)
     lengths = [rng.randint(max(1, context // 2), context) for _ in range(batch)]
     free = list(range(1, POOL_BLOCKS))
     rng.shuffle(free)
     spans = [SeqSpan(n - 1, 1, [free.pop() for _ in range(-(-n // BLOCK))]) for n in lengths]
     meta = build_attention_metadata(spans, BLOCK, kernel=kernel)
-    shape = (POOL_BLOCKS * BLOCK, KV_HEADS, DIM)
-
-    def pools(alloc) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(alloc(shape, torch.bfloat16).normal_(), alloc(shape, torch.bfloat16).normal_()) for _ in range(LAYERS)]
-
-    variants = {"plain": pools(lambda s, d: torch.empty(s, dtype=d)), "huge": pools(hugepages.empty)}
+    pools = variants((POOL_BLOCKS * BLOCK, KV_HEADS, DIM))
     q, k, v = (torch.randn(batch, h, DIM).bfloat16() for h in (HEADS, KV_HEADS, KV_HEADS))
     traffic = torch.zeros(4 << 20)
 
-    def run(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def run(layers: list[LayerKV]) -> float:
         total = 0.0
-        for k_pool, v_pool in layers:
+        for pool in layers:
             traffic.add_(1.0)
             start = time.perf_counter()
-            paged_attention(q, k, v, k_pool, v_pool, meta, DIM**-0.5)
+            paged_attention(q, k, v, pool, meta, DIM**-0.5)
             total += time.perf_counter() - start
         return total * 1e3
 
     with torch.inference_mode():
-        side_by_side(f"attention, {batch} x {context}", {n: lambda p=p: run(p) for n, p in variants.items()})
+        side_by_side(f"attention, {batch} x {context}", {n: lambda p=p: run(p) for n, p in pools.items()})
+
+
+def plain_and_huge_pools(shape: tuple[int, int, int]) -> dict[str, list[LayerKV]]:
+    def pools(alloc) -> list[LayerKV]:
+        return [LayerKV(alloc(shape, torch.bfloat16).normal_(), alloc(shape, torch.bfloat16).normal_()) for _ in range(LAYERS)]
+
+    return {"plain": pools(lambda s, d: torch.empty(s, dtype=d)), "huge": pools(hugepages.empty)}
 
 
 def main() -> None:
@@ -107,7 +111,7 @@ def main() -> None:
         weights_case(rows, {"plain": plain, "huge": huge})
     for case in args.attention.split(","):
         batch, context = map(int, case.split("x"))
-        attention_case(batch, context, attention)
+        attention_case(batch, context, attention, plain_and_huge_pools)
 
 
 if __name__ == "__main__":

@@ -214,7 +214,8 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
     print()
     print(f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, "
           f"{work.output_tokens} requested output tokens (EOS ignored)")  # fmt: skip
-    header = (f"{'engine':<14} {'batch out tok/s':>15} {'total tok/s':>12} {'wasted':>7} {'decode 1x':>10} "
+    width = max(14, *(len(name) for name, _, _ in results))
+    header = (f"{'engine':<{width}} {'batch out tok/s':>15} {'total tok/s':>12} {'wasted':>7} {'decode 1x':>10} "
               f"{'decode @2k':>11} {'2k slowdown':>12} {'prefill 512':>12}")  # fmt: skip
     print(header)
     print("-" * len(header))
@@ -222,7 +223,7 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
         wasted = 1 - r.useful_output_tokens / r.generated_tokens
         long = single.get("decode_2k")
         slow = f"{single['decode'] / long:>11.2f}x" if long else f"{'-':>12}"
-        print(f"{name:<14} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} {single['decode']:>10.1f} "
+        print(f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} {single['decode']:>10.1f} "
               f"{long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
     hf = next((x for x in results if x[0] == "hf"), None)
     if hf:
@@ -230,7 +231,7 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
         print("ratios to HF transformers (batch output tok/s, single-stream decode, prefill):")
         for name, r, single in results:
             if name != "hf":
-                print(f"  {name:<14} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
+                print(f"  {name:<{width}} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
                       f"x{single['decode'] / hf[2]['decode']:.2f}  x{single['prefill'] / hf[2]['prefill']:.2f}")  # fmt: skip
 
 
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="measure fornax only")
     ap.add_argument("--quantization", default="none,int4",
                     help="fornax weight forms, comma-separated: none,int8,int4,auto for the small (decode) steps, "
-                         "each optionally +w8a8 for the larger ones (auto+w8a8)")  # fmt: skip
+                         "each optionally +w8a8 for the larger ones (auto+w8a8) and +kv8 for int8 K/V "
+                         "(--kv-cache-dtype int8: auto+w8a8+kv8)")  # fmt: skip
     ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -257,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[tuple[str, Result, dict[str, float]]] = []
     work = None
     for form in args.quantization.split(","):
-        small, _, large = form.partition("+")  # e.g. "auto+w8a8": int8 x int8 past the small steps
+        small, *extras = form.split("+")  # e.g. "auto+w8a8+kv8": int8 x int8 past the small steps, int8 K/V
+        if set(extras) - {"w8a8", "kv8"}:
+            ap.error(f"unknown part in {form!r}: the parts after + are w8a8 and kv8")
         quant = None if small == "none" else small
-        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large or None,
+        large = "w8a8" if "w8a8" in extras else None
+        kv_cache_dtype = "int8" if "kv8" in extras else "auto"
+        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large, kv_cache_dtype=kv_cache_dtype,
                   kernel_backend=args.kernel_backend, progress=False)  # fmt: skip
         tok = llm.get_tokenizer()
         work = build_workload(tok, num_prompts, args.seed, (32, 512), (64, 256))

@@ -78,6 +78,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot where each new token's K/V is written
     groups: list[AttentionGroup]
     kernel_rows: KernelRows | None = None
+    kernel: PagedAttentionKernel | None = None  # also writes int8 K/V rows when loaded
 
 
 def build_attention_metadata(
@@ -107,7 +108,7 @@ def build_attention_metadata(
     groups = [
         _build_group(spans, idx, offsets, block_size, sliding_window) for idx in (decode, prefill) if idx
     ]
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, kernel_rows=kernel_rows)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, kernel_rows=kernel_rows, kernel=kernel)
 
 
 def _build_kernel_rows(
@@ -196,7 +197,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend for every group. Returns [T, H, D]."""
-    cache.write(meta.slot_mapping, k, v)
+    if not (cache.quantized and meta.kernel is not None and meta.kernel.write_int8(cache, meta.slot_mapping, k, v)):
+        cache.write(meta.slot_mapping, k, v)
     gqa = q.shape[1] != k.shape[1]
     kr = meta.kernel_rows
     if kr is not None and kr.token_index is None:  # every row is short: one kernel call

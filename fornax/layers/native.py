@@ -84,6 +84,9 @@ class PagedAttentionKernel:
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [p, lg, p, p, p, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
+        self._store_i8 = {torch.float32: lib.kv_store_i8_f32, torch.bfloat16: lib.kv_store_i8_bf16}
+        for fn in self._store_i8.values():
+            fn.restype, fn.argtypes = None, [p, lg, i, p, i, i, p, p]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return (dtype, False) in self._fns
@@ -118,6 +121,22 @@ class PagedAttentionKernel:
         if status:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
+
+
+    def write_int8(self, cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Quantize new rows k, v ([T, Hkv, D], rows may be strided) into int8 pools at slots
+        (int64), as LayerKV.write does in torch, to the bit; returns False for what it does not
+        take (the caller then writes with torch). In torch that is ~10 ops per pool per layer."""
+        if k.dtype not in self._store_i8 or slots.dtype != torch.int64 or not slots.is_contiguous():
+            return False
+        if any(x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != k.dtype for x in (k, v)):
+            return False
+        for x, pool, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+            self._store_i8[k.dtype](
+                x.data_ptr(), x.stride(0), x.shape[0], slots.data_ptr(), x.shape[1], x.shape[2], pool.data_ptr(),
+                _ptr_or_none(scales),
+            )  # fmt: skip
+        return True
 
 
 def _ptr_or_none(t: torch.Tensor | None) -> int | None:

@@ -121,6 +121,29 @@ def test_int8_kernel_stays_close_to_exact_attention(dtype, dim):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_written_by_the_kernel_equal_torchs_bit_for_bit(dtype):
+    """The C writer (used by every native step and by paged_attention when the kernel is
+    loaded) against LayerKV.write's torch quantization, on strided row views as the fused QKV
+    projection hands them over, with an all-zero row, ties at half a step, and large values."""
+    gen = torch.Generator().manual_seed(6)
+    qkv = (torch.randn(40, (HEADS + 2 * KV_HEADS) * DIM, generator=gen) * 4).to(dtype)
+    qkv[3] = 0
+    # amax 127: scale exactly 1, so x.5 values are exact ties (round half to even on both sides)
+    qkv[5, HEADS * DIM : (HEADS + 1) * DIM] = torch.tensor([127.0] + [i + 0.5 for i in range(-31, 32)])
+    qkv[7] *= 1e4
+    k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(40, KV_HEADS, DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(40, KV_HEADS, DIM)
+    slots = torch.randperm(64, generator=gen)[:40]
+    by_torch = LayerKV.allocate(64, KV_HEADS, DIM, dtype, "int8")
+    by_kernel = LayerKV.allocate(64, KV_HEADS, DIM, dtype, "int8")
+    by_torch.write(slots, k, v)
+    assert KERNEL.write_int8(by_kernel, slots, k, v)
+    for a, b in zip(by_torch.tensors(), by_kernel.tensors()):
+        assert torch.equal(a[slots], b[slots])
+    assert not KERNEL.write_int8(by_kernel, slots.int(), k, v)  # what it does not take, it refuses
+
+
 def test_quantize_rows_rounds_each_head_row_to_its_own_scale():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, KV_HEADS, DIM, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]  # per-head ranges

@@ -6,8 +6,8 @@ family it covers (plain Llama, Llama 3 RoPE scaling with tied embeddings, Mistra
 window, Qwen2's QKV bias), in bf16 and fp32, with int4 and int8 weights, with dense bf16
 weights (the native bf16 matmul) and with int8 x int8 steps (Int8Rotated), for batches of
 decodes, short prompts it prefills itself, and speculative verification rows, with K/V
-pools in the model's dtype and in int8 (the step's kv_store_i8 against kv_pool.py's
-quantize_rows, bit for bit). Qwen3's
+pools in the model's dtype and in int8 (both paths write int8 rows with the C writer, which
+test_native_kernels.py holds to torch's quantization bit for bit). Qwen3's
 per-head Q/K norms are not in the C step: such a model must run op by op.
 """
 
