@@ -76,7 +76,7 @@ def test_model_weights_packed_shared_and_same_tokens(tmp_path, monkeypatch):
     model = packed.engine.runner.model
     assert [o.outputs[0].token_ids for o in packed.generate(prompts, params)] == expected
     cache = packed.engine.runner.kv_cache
-    assert all(" hg" in _mapping_flags(pool.data_ptr()) for pool in cache.k + cache.v)  # the KV pools too
+    assert all(" hg" in _mapping_flags(pool.data_ptr()) for layer in cache.layers for pool in layer.tensors())  # KV pools too
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(" hg" in _mapping_flags(m.weight.data_ptr()) for m in linears)
     for m in linears:

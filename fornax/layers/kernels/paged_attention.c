@@ -234,9 +234,10 @@ static inline __attribute__((always_inline)) void i8_row_partials(const int8_t *
     if (head_dim == 64) i8_row_partials_d(64, kr, qf, group, part);
     else i8_row_partials_d(128, kr, qf, group, part);
 }
-/* The batch's `count` keys (from key j0 on): scores[h * n + j0 + t] for every head. */
-static inline void i8_flush_partials(__m512 *part, const float *ks, int nh, int group, int count, float *scores,
-                                     long n, int j0) {
+/* The batch's `count` keys (from key j0 on): scores[h * n + j0 + t] for every head, times the
+ * keys' row scales ks [nkv][I8_KEYS]. */
+static inline void flush_partials(__m512 *part, const float *ks, int nh, int group, int count, float *scores,
+                                  long n, int j0) {
     const __mmask16 keep = (__mmask16)((1u << count) - 1);
     for (int h = 0; h < nh; h++) {
         __m512 *ph = part + (long)h * I8_KEYS;
@@ -249,13 +250,14 @@ static inline void i8_flush_partials(__m512 *part, const float *ks, int nh, int 
 #define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) \
     i8_row_partials(kr, qf, group, head_dim, (__m512 *)(part) + (hk) * I8_KEYS + (t))
 #define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) \
-    i8_flush_partials((__m512 *)(part), ks, nh, group, count, scores, n, j0)
+    flush_partials((__m512 *)(part), ks, nh, group, count, scores, n, j0)
 #else
 #define I8_KEYS 16
 #define I8_BATCHED(head_dim) 0
 #define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) ((void)0)
 #define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) ((void)0)
 #endif
+
 
 static inline void row_to_f32_i8(float *dst, const int8_t *src, int n) {
 #if defined(__AVX512F__)
@@ -299,12 +301,51 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
     return 0; /* float32 caches take the converting path: it is a plain float dot product there */
 }
 
+/* The pieces both row parts below share. A part starts empty: per head a running max of
+ * -inf, a sum of 0 and a zero accumulator (an empty part then merges as nothing). */
+static inline void row_part_clear(float *m, float *l, float *acc, int nh, int head_dim) {
+    for (int h = 0; h < nh; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);
+}
+
+/* qf[h][d] = q[h][d] * scale for the part's nh query heads (q: its first head), in float32 */
+#define LOAD_SCALED_QUERIES(qf, q, nh, head_dim, LOAD, scale)                                    \
+    for (int h = 0; h < (nh); h++)                                                               \
+        for (int d = 0; d < (head_dim); d++) (qf)[(long)h * (head_dim) + d] = LOAD((q) + (long)h * (head_dim), d) * (scale)
+
+/* The value pass: acc[h] += sum over the part's keys of w[h][j] * V row, one run of keys that
+ * sit in consecutive slots of one block at a time, each V row loaded once for its KV head's
+ * whole query group (PV_GROUP), or per head where that cannot run (PV_TILE). w: [nh][n]. */
+#define DEFINE_VALUE_PASS(NAME, C, PV_GROUP, PV_TILE)                                            \
+    static void NAME(float *acc, const float *w, int n, const C *v_cache, const int32_t *table,  \
+                     int k0, int kvh0, int kvh1, int group, long kv_row, int head_dim,           \
+                     int block_size) {                                                           \
+        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; blk++, off = 0) {  \
+            const int run = block_size - off < n - j ? block_size - off : n - j;                 \
+            const long slot = (long)table[blk] * block_size + off;                               \
+            for (int kh = kvh0; kh < kvh1; kh++) {                                               \
+                const C *vr = v_cache + slot * kv_row + (long)kh * head_dim;                     \
+                const int h0k = (kh - kvh0) * group;                                             \
+                if (PV_GROUP(group, acc + (long)h0k * head_dim, w + (long)h0k * n + j, n, vr, kv_row, run, head_dim)) \
+                    continue;                                                                    \
+                for (int g = 0; g < group; g++) {                                                \
+                    const int h = h0k + g;                                                       \
+                    PV_TILE(acc + (long)h * head_dim, w + (long)h * n + j, vr, kv_row, run, head_dim); \
+                }                                                                                \
+            }                                                                                    \
+            j += run;                                                                            \
+        }                                                                                        \
+    }
+DEFINE_VALUE_PASS(value_pass_f32, float, pv_group_f32, pv_tile_f32)
+DEFINE_VALUE_PASS(value_pass_bf16, uint16_t, pv_group_bf16, pv_tile_bf16)
+DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
+
 /* Attention of query row r for KV heads [kvh0, kvh1) over keys [k0, k1): all their query
  * heads are scored against each K row in one pass, so a token's K/V row is read once. The
  * result is left unnormalised: per head the running max m, the sum of exp(score - m), and
  * acc = sum of exp(score - m) * V, so parts of one row's keys can be merged afterwards.
  * Returns nonzero when out of memory. */
-#define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, PV_TILE, KEY_SCORES, PV_GROUP)                    \
+#define DEFINE_ROW_PART(NAME, T, LOAD, TO_F32, KEY_SCORES, VALUE_PASS)                           \
     static int NAME(const T *q, long q_row_stride, const T *k_cache, const T *v_cache,           \
                     const float *k_scale, const float *v_scale, const int32_t *table, int k0,    \
                     int k1, int r, int kvh0, int kvh1, int num_heads, int num_kv_heads,          \
@@ -313,16 +354,12 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
         const int group = num_heads / num_kv_heads, nh = (kvh1 - kvh0) * group;                  \
         const int n = k1 - k0;                                                                   \
         const long kv_row = (long)num_kv_heads * head_dim, h0 = (long)kvh0 * group;               \
-        for (int h = 0; h < nh; h++) { m[h] = -INFINITY; l[h] = 0.f; }                           \
-        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                                  \
+        row_part_clear(m, l, acc, nh, head_dim);                                                 \
         if (n <= 0) return 0;                                                                    \
         float *qf = malloc(sizeof(float) * ((size_t)nh * head_dim + (size_t)nh * n + head_dim)); \
         if (!qf) return 1;                                                                       \
         float *scores = qf + (long)nh * head_dim, *kv = scores + (long)nh * n;                   \
-        for (int h = 0; h < nh; h++) {                                                           \
-            const T *qh = q + r * q_row_stride + (h0 + h) * head_dim;                            \
-            for (int d = 0; d < head_dim; d++) qf[(long)h * head_dim + d] = LOAD(qh, d) * scale; \
-        }                                                                                        \
+        LOAD_SCALED_QUERIES(qf, q + r * q_row_stride + h0 * head_dim, nh, head_dim, LOAD, scale); \
         const long row_bytes = (long)(kvh1 - kvh0) * head_dim * sizeof(T);                       \
         int pf_off = (k0 + PREFETCH_KEYS_AHEAD) % block_size;                                    \
         int pf_blk = (k0 + PREFETCH_KEYS_AHEAD) / block_size;                                    \
@@ -349,22 +386,7 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
             }                                                                                    \
         }                                                                                        \
         for (int h = 0; h < nh; h++) l[h] = exp_shifted_sum(scores + (long)h * n, n, m + h);     \
-        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; blk++, off = 0) {  \
-            /* one run of keys that sit in consecutive slots of one block */                     \
-            const int run = block_size - off < n - j ? block_size - off : n - j;                 \
-            const long slot = (long)table[blk] * block_size + off;                               \
-            for (int kh = kvh0; kh < kvh1; kh++) {                                               \
-                const T *vr = v_cache + slot * kv_row + (long)kh * head_dim;                     \
-                const int h0k = (kh - kvh0) * group;                                             \
-                if (PV_GROUP(group, acc + (long)h0k * head_dim, scores + (long)h0k * n + j, n, vr, kv_row, run, head_dim)) \
-                    continue;                                                                    \
-                for (int g = 0; g < group; g++) {                                                \
-                    const int h = (kh - kvh0) * group + g;                                       \
-                    PV_TILE(acc + (long)h * head_dim, scores + (long)h * n + j, vr, kv_row, run, head_dim); \
-                }                                                                                \
-            }                                                                                    \
-            j += run;                                                                            \
-        }                                                                                        \
+        VALUE_PASS(acc, scores, n, v_cache, table, k0, kvh0, kvh1, group, kv_row, head_dim, block_size); \
         free(qf);                                                                                \
         return 0;                                                                                \
     }
@@ -381,8 +403,7 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
         const int group = num_heads / num_kv_heads, nh = (kvh1 - kvh0) * group;                  \
         const int n = k1 - k0;                                                                   \
         const long kv_row = (long)num_kv_heads * head_dim, h0 = (long)kvh0 * group;               \
-        for (int h = 0; h < nh; h++) { m[h] = -INFINITY; l[h] = 0.f; }                           \
-        memset(acc, 0, sizeof(float) * (size_t)nh * head_dim);                                  \
+        row_part_clear(m, l, acc, nh, head_dim);                                                 \
         if (n <= 0) return 0;                                                                    \
         const int nkv = kvh1 - kvh0, batched = I8_BATCHED(head_dim);                             \
         /* part: [nh][I8_KEYS] vectors of 16 floats (reduce16's input); ks: [nkv][I8_KEYS] */  \
@@ -396,10 +417,7 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
         /* part is read and written as whole vectors: 64-byte aligned */                       \
         float *part = (float *)(((uintptr_t)(kv + head_dim) + 63) & ~(uintptr_t)63);             \
         float *ks_batch = part + part_floats;                                                    \
-        for (int h = 0; h < nh; h++) {                                                           \
-            const T *qh = q + r * q_row_stride + (h0 + h) * head_dim;                            \
-            for (int d = 0; d < head_dim; d++) qf[(long)h * head_dim + d] = LOAD(qh, d) * scale; \
-        }                                                                                        \
+        LOAD_SCALED_QUERIES(qf, q + r * q_row_stride + h0 * head_dim, nh, head_dim, LOAD, scale); \
         const long row_bytes = (long)(kvh1 - kvh0) * head_dim;                                   \
         int pf_off = (k0 + PREFETCH_KEYS_AHEAD) % block_size;                                    \
         int pf_blk = (k0 + PREFETCH_KEYS_AHEAD) / block_size;                                    \
@@ -444,21 +462,7 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
                 const float *vsk = vs + (long)(kh - kvh0) * n;                                   \
                 for (int j = 0; j < n; j++) w[j] *= vsk[j];                                      \
             }                                                                                    \
-        for (int j = 0, off = k0 % block_size, blk = k0 / block_size; j < n; blk++, off = 0) {  \
-            const int run = block_size - off < n - j ? block_size - off : n - j;                 \
-            const long slot = (long)table[blk] * block_size + off;                               \
-            for (int kh = kvh0; kh < kvh1; kh++) {                                               \
-                const int8_t *vr = v_cache + slot * kv_row + (long)kh * head_dim;                \
-                const int h0k = (kh - kvh0) * group;                                             \
-                if (pv_group_i8(group, acc + (long)h0k * head_dim, scores + (long)h0k * n + j, n, vr, kv_row, run, head_dim)) \
-                    continue;                                                                    \
-                for (int g = 0; g < group; g++) {                                                \
-                    const int h = h0k + g;                                                       \
-                    pv_tile_i8(acc + (long)h * head_dim, scores + (long)h * n + j, vr, kv_row, run, head_dim); \
-                }                                                                                \
-            }                                                                                    \
-            j += run;                                                                            \
-        }                                                                                        \
+        value_pass_i8(acc, scores, n, v_cache, table, k0, kvh0, kvh1, group, kv_row, head_dim, block_size); \
         free(qf);                                                                                \
         return 0;                                                                                \
     }
@@ -547,8 +551,8 @@ static inline int key_scores_f32(const float *k, const float *q, int nkv, int gr
         return failed ? 2 : 0;                                                                   \
     }
 
-DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, pv_tile_f32, key_scores_f32, pv_group_f32)
-DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, pv_tile_bf16, key_scores_bf16, pv_group_bf16)
+DEFINE_ROW_PART(row_part_f32, float, LOAD_F32, row_to_f32_f32, key_scores_f32, value_pass_f32)
+DEFINE_ROW_PART(row_part_bf16, uint16_t, LOAD_BF16, row_to_f32_bf16, key_scores_bf16, value_pass_bf16)
 DEFINE_ROW_PART_I8(row_part_f32_i8, float, LOAD_F32)
 DEFINE_ROW_PART_I8(row_part_bf16_i8, uint16_t, LOAD_BF16)
 DEFINE_PAGED_ATTENTION(paged_attention_f32, row_part_f32, float, float, STORE_F32)
