@@ -6,8 +6,13 @@ greedy continuations agree.
   quantized kernels (small_step_max_rows set above the window), w8a8 (int8 x int8 on every
   step) and auto+w8a8 (as served: the file's int4 at one row, int8 x int8 past it; here the
   scored prompts are all int8 x int8 and the greedy decode all int4);
+- int8 K/V (--kv-cache-dtype int8): bf16 and auto+w8a8 with +kv8, prompts prefilled in chunks
+  of 64 tokens so that each chunk reads the earlier ones from the cache (a lone prompt in one
+  chunk attends to its fresh K/V and would never read the int8 rows); "bf16 c64" is bf16
+  prefilled the same way, their anchor;
 - greedy agreement: 32 new tokens for each of 24 chat prompts; each weight form against bf16
-  (identical continuations, and the mean length of the common prefix), and bf16 against fp32.
+  (identical continuations, and the mean length of the common prefix), the +kv8 forms against
+  the same form without, and bf16 against fp32.
 
     .venv/bin/python benchmarks/quantization_quality.py [--windows 16]
 """
@@ -65,6 +70,10 @@ def main() -> None:
     # int8 x int8 on every step, and as served: the file's int4 for one-row steps, int8 x int8 past them
     forms.append(("w8a8", {"small_step_max_rows": 0, "large_step_quantization": "w8a8"}))
     forms.append(("auto+w8a8", {"quantization": "auto", "large_step_quantization": "w8a8"}))
+    chunked = {"max_num_batched_tokens": 64}
+    forms.append(("bf16 c64", chunked))
+    forms.append(("bf16+kv8", {**chunked, "kv_cache_dtype": "int8"}))
+    forms.append(("auto+w8a8+kv8", {**chunked, "quantization": "auto", "large_step_quantization": "w8a8", "kv_cache_dtype": "int8"}))
     for name, kwargs in forms:
         llm = LLM(args.model, progress=False, **kwargs)
         ppl = perplexity(llm, text, window=512, max_windows=args.windows)
@@ -78,15 +87,18 @@ def main() -> None:
     base = rows[0][1].perplexity
     print()
     print(f"perplexity, GPL-3 text, {rows[0][1].num_windows} windows of 512 tokens ({rows[0][1].num_scored_tokens} scored):")
-    print(f"{'form':<9} {'perplexity':>10} {'vs bf16':>8}")
+    print(f"{'form':<13} {'perplexity':>10} {'vs bf16':>8}")
     for name, ppl in rows:
-        print(f"{name:<9} {ppl.perplexity:>10.3f} {ppl.perplexity / base - 1:>+8.2%}")
+        print(f"{name:<13} {ppl.perplexity:>10.3f} {ppl.perplexity / base - 1:>+8.2%}")
     print()
     n = len(QUESTIONS)
     print(f"greedy agreement, {n} chat prompts x {args.new_tokens} new tokens (each prompt alone):")
     for name in ("int8", "int4", "auto", "w8a8", "auto+w8a8"):
         same, prefix = agreement(outputs[name], outputs["bf16"])
         print(f"  {name} vs bf16: {same}/{n} identical, mean common prefix {prefix:.1f} tokens")
+    for name, anchor in (("bf16+kv8", "bf16"), ("auto+w8a8+kv8", "auto+w8a8")):
+        same, prefix = agreement(outputs[name], outputs[anchor])
+        print(f"  {name} vs {anchor}: {same}/{n} identical, mean common prefix {prefix:.1f} tokens")
     same, prefix = agreement(outputs["bf16"], fp32)
     print(f"  bf16 vs fp32: {same}/{n} identical, mean common prefix {prefix:.1f} tokens")
 
