@@ -12,8 +12,8 @@ import time
 
 from fornax.config import (
     DEFAULT_MODEL,
-    SERVE_MAX_NUM_BATCHED_TOKENS,
     KV_CACHE_DTYPES,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
     SMALL_STEP_MAX_ROWS,
     SMALL_STEP_MAX_ROWS_W8A8,
     CacheConfig,

@@ -199,6 +199,11 @@ def paged_attention(
     """Write new K/V into the cache, then attend for every group. Returns [T, H, D]."""
     if not (cache.quantized and meta.kernel is not None and meta.kernel.write_int8(cache, meta.slot_mapping, k, v)):
         cache.write(meta.slot_mapping, k, v)
+    if cache.quantized and meta.groups and any(g.kv_slots is None for g in meta.groups):
+        # A fresh prompt on SDPA attends to its own new K/V: give it the rows as the cache
+        # holds them (int8, dequantized), as every other path reads them, so a prompt's
+        # result does not depend on whether it was batched with others.
+        k, v = cache.gather(meta.slot_mapping, q.dtype)
     gqa = q.shape[1] != k.shape[1]
     kr = meta.kernel_rows
     if kr is not None and kr.token_index is None:  # every row is short: one kernel call

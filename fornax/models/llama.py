@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fornax.config import ModelConfig
-from fornax.layers.kv_pool import LayerKV, bytes_per_token
 from fornax.layers.attention import AttentionMetadata, paged_attention
+from fornax.layers.kv_pool import LayerKV, bytes_per_token
 from fornax.layers.linear import Linear
 from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import TORCH_OPS, LayerOps

@@ -29,7 +29,7 @@ from fornax.layers.attention import (
     build_attention_metadata,
     paged_attention,
 )
-from fornax.layers.kv_pool import LayerKV, quantize_rows
+from fornax.layers.kv_pool import LayerKV, dequantize_rows, quantize_rows
 from fornax.layers.native import load_fused_ops, load_paged_attention
 from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import NativeOps, TorchOps
@@ -142,6 +142,24 @@ def test_int8_rows_written_by_the_kernel_equal_torchs_bit_for_bit(dtype):
     for a, b in zip(by_torch.tensors(), by_kernel.tensors()):
         assert torch.equal(a[slots], b[slots])
     assert not KERNEL.write_int8(by_kernel, slots.int(), k, v)  # what it does not take, it refuses
+
+
+def test_a_fresh_prompt_on_sdpa_attends_to_its_int8_rows():
+    """A lone fresh prompt past the kernel's context goes to plain causal SDPA over its own new
+    K/V; with int8 pools it must see them as the cache holds them, as a batched prompt (read
+    from the cache) does, or its result would depend on what it was batched with."""
+    n = KERNEL_MAX_CONTEXT + 32
+    spans, q, k, v, ck, cv = _step(8, torch.float32, [(0, n)])
+    got, meta = _attend(spans, q, k, v, ck, cv, KERNEL, None, "int8")
+    assert meta.kernel_rows is None and meta.groups[0].kv_slots is None  # the fresh SDPA path
+    kq, vq = (dequantize_rows(*quantize_rows(x), torch.float32) for x in (k, v))
+
+    def causal(kk, vv):
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+        )[0].transpose(0, 1)
+    assert (got - causal(kq, vq)).abs().max().item() < 1e-5
+    assert (got - causal(k, v)).abs().max().item() > 1e-3  # so the int8 rows were what it read
 
 
 def test_quantize_rows_rounds_each_head_row_to_its_own_scale():
