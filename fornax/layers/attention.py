@@ -197,7 +197,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend for every group. Returns [T, H, D]."""
-    if not (cache.quantized and meta.kernel is not None and meta.kernel.write_int8(cache, meta.slot_mapping, k, v)):
+    kernel = meta.kernel
+    if not (cache.quantized and kernel is not None and kernel.write_int8(cache, meta.slot_mapping, k, v)):
         cache.write(meta.slot_mapping, k, v)
     if cache.quantized and meta.groups and any(g.kv_slots is None for g in meta.groups):
         # A fresh prompt on SDPA attends to its own new K/V: give it the rows as the cache

@@ -52,7 +52,9 @@ class LayerKV:
     v_scale: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> LayerKV:
+    def allocate(
+        cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str
+    ) -> LayerKV:
         # Not zero-filled (that costs ~1.5 s per GiB at start-up): attention only ever reads
         # slots written earlier in the same request, plus slot 0 as the gather target of
         # padding. Slot 0 is zeroed so that padding never multiplies garbage (NaN * 0 = NaN).

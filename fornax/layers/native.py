@@ -113,8 +113,8 @@ class PagedAttentionKernel:
                 raise ValueError("paged attention kernel: index tensors must be contiguous int32")
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
         status = self._fns[(q.dtype, cache.quantized)](
-            q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), _ptr_or_none(cache.k_scale),
-            _ptr_or_none(cache.v_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), data_ptr_or_none(cache.k_scale),
+            data_ptr_or_none(cache.v_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             row_seq.data_ptr(), row_pos.data_ptr(), rows, heads, cache.k.shape[1], dim, block_size, scale,
             window or 0, torch.get_num_threads(),
         )  # fmt: skip
@@ -134,12 +134,13 @@ class PagedAttentionKernel:
         for x, pool, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
             self._store_i8[k.dtype](
                 x.data_ptr(), x.stride(0), x.shape[0], slots.data_ptr(), x.shape[1], x.shape[2], pool.data_ptr(),
-                _ptr_or_none(scales),
+                data_ptr_or_none(scales),
             )  # fmt: skip
         return True
 
 
-def _ptr_or_none(t: torch.Tensor | None) -> int | None:
+def data_ptr_or_none(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes, None (NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 

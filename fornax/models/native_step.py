@@ -25,18 +25,15 @@ from fornax.layers.native import (
     QLINEAR_I8,
     QLINEAR_Q4,
     QLINEAR_Q8,
-    DecodeStepKernel,
     DecoderLayerDesc,
     DecoderModelDesc,
+    DecodeStepKernel,
     QLinearDesc,
     StepRowsDesc,
     load_decode_step,
 )
+from fornax.layers.native import data_ptr_or_none as _ptr
 from fornax.models.llama import KVCache, LlamaForCausalLM
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:
