@@ -6,7 +6,9 @@
 #   benchmarks/serve_streams.sh [concurrency] [--quantization auto] [--quantization int4] ...
 #
 # Each further argument is one server configuration (quote it to pass several flags); with
-# none, dense bf16 and --quantization auto are compared.
+# none, dense bf16 and --quantization auto are compared. ROUNDS=n repeats the comparison n
+# times, every other round in reverse order (A B, B A, ...): on this machine the first of
+# two configurations read slower than the second in each of three runs, whichever it was.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -17,17 +19,28 @@ CONFIGS=("$@")
 PORT=18601
 KEY=sk-streams
 OUT=${OUT:-/tmp/fornax-serve-streams}
+ROUNDS=${ROUNDS:-1}
 mkdir -p "$OUT"
-for cfg in "${CONFIGS[@]}"; do
+ORDER=()
+for ((round = 1; round <= ROUNDS; round++)); do
+  if ((round % 2)); then
+    for ((i = 0; i < ${#CONFIGS[@]}; i++)); do ORDER+=("$round:${CONFIGS[$i]}"); done
+  else
+    for ((i = ${#CONFIGS[@]} - 1; i >= 0; i--)); do ORDER+=("$round:${CONFIGS[$i]}"); done
+  fi
+done
+for entry in "${ORDER[@]}"; do
+  round=${entry%%:*}
+  cfg=${entry#*:}
   # shellcheck disable=SC2086  # cfg holds several flags on purpose
   $BIN/fornax serve --port $PORT --api-key $KEY --max-num-seqs 64 $cfg --log-level warning &
   pid=$!
   trap 'kill $pid 2>/dev/null' EXIT
   for _ in $(seq 120); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
   name=${cfg:-dense-bf16}
-  echo "== fornax serve ${name} | concurrency ${CONC} =="
+  echo "== fornax serve ${name} | concurrency ${CONC} | round ${round} of ${ROUNDS} =="
   $BIN/fornax bench serve --base-url http://127.0.0.1:$PORT --api-key $KEY --dataset random \
     --random-input-len 128 --random-output-len 128 --num-prompts $((CONC * 2)) --num-warmups 2 \
-    --max-concurrency "$CONC" --seed 0 --no-progress --json "$OUT/${name// /_}.json"
+    --max-concurrency "$CONC" --seed 0 --no-progress --json "$OUT/${name// /_}.round${round}.json"
   kill $pid; wait $pid 2>/dev/null || true
 done
