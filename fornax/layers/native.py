@@ -122,7 +122,6 @@ class PagedAttentionKernel:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
 
-
     def write_int8(self, cache: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Quantize new rows k, v ([T, Hkv, D], rows may be strided) into int8 pools at slots
         (int64), as LayerKV.write does in torch, to the bit; returns False for what it does not

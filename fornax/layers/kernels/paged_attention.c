@@ -49,15 +49,22 @@ static inline void prefetch_bytes(const void *p, long bytes) {
 /* The three inner loops, over one head's head_dim values. With AVX-512 (and head_dim a
  * multiple of 16, true of every supported model) they are written out with intrinsics:
  * left to the auto-vectorizer inside the macro bodies below they ran ~5x slower. */
-static inline void row_to_f32_bf16(float *dst, const uint16_t *src, int n) {
 #if defined(__AVX512F__)
-    if (n % 16 == 0) {
-        for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, vload_bf16(src + d));
-        return;
+#define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
+    static inline void NAME(float *dst, const T *src, int n) {                                   \
+        if (n % 16 == 0) {                                                                       \
+            for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, LOAD16(src + d));          \
+            return;                                                                              \
+        }                                                                                        \
+        for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
+    }
+#else
+#define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
+    static inline void NAME(float *dst, const T *src, int n) {                                   \
+        for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
     }
 #endif
-    for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
-}
+DEFINE_ROW_TO_F32(row_to_f32_bf16, uint16_t, vload_bf16, LOAD_BF16)
 
 static inline void row_to_f32_f32(float *dst, const float *src, int n) { memcpy(dst, src, sizeof(float) * n); }
 
@@ -255,20 +262,11 @@ static inline void flush_partials(__m512 *part, const float *ks, int nh, int gro
 #else
 #define I8_KEYS 16
 #define I8_BATCHED(head_dim) 0
-#define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) ((void)0)
+#define I8_PARTIALS(kr, qf, group, head_dim, part, hk, t) ((void)(hk))
 #define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) ((void)0)
 #endif
 
-
-static inline void row_to_f32_i8(float *dst, const int8_t *src, int n) {
-#if defined(__AVX512F__)
-    if (n % 16 == 0) {
-        for (int d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, vload_i8(src + d));
-        return;
-    }
-#endif
-    for (int d = 0; d < n; d++) dst[d] = (float)src[d];
-}
+DEFINE_ROW_TO_F32(row_to_f32_i8, int8_t, vload_i8, LOAD_I8)
 
 /* Scores of one key for the query heads of KV heads [kvh0, kvh0 + nkv), bf16 K against the
  * bf16 queries as they are, with AVX-512 BF16 dot products (each product exact in float32,
