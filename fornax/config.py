@@ -159,13 +159,15 @@ class SpeculativeConfig:
     # optionally with weight-only quantized linears (`quantization`: "int8" | "int4").
     draft_layers: int | None = None
     quantization: str | None = None
-    # Adaptive rule (spec_decode/controller.py): a request whose acceptance EMA falls below
-    # `min_acceptance_rate` stops speculating (it is re-probed every `probe_interval` steps);
-    # no request speculates in a step with more than `disable_by_batch_size` running requests
-    # (0: no limit); and in between, each step gets only the drafts whose expected gain pays
-    # for their cost, where one more verified row costs `row_cost` of a decode step's fixed
-    # cost and one draft token `draft_cost` (None: the proposer's own estimates, per token and
-    # for a draft model's catch-up; 0 for n-gram).
+    # Adaptive rule (spec_decode/controller.py): no request speculates in a step with more
+    # than `disable_by_batch_size` running requests (0: no limit); below that, each step gets
+    # only the drafts whose expected gain pays for their cost, where one more verified row
+    # costs `row_cost` of a decode step's fixed cost and one draft token `draft_cost` (None:
+    # the proposer's own estimates, per token and for a draft model's catch-up; 0 for n-gram).
+    # The expected gain comes from the acceptance learned per kind of match for n-gram
+    # (its matched length, over all requests), and otherwise from the request's acceptance
+    # EMA: a request whose EMA falls below `min_acceptance_rate` stops speculating and is
+    # re-probed every `probe_interval` steps.
     # row_cost (None: by the target's weights) is measured here (benchmarks/spec_decode.py): on
     # a CPU every verified row is real matmul work. Dense bf16 targets: 0.12. Quantized small
     # steps (native integer kernels) are compute-bound past one row, so a row costs more of a

@@ -9,6 +9,7 @@ prompt's full blocks in the prefix cache and share them instead of recomputing t
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
 from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
-from fornax.spec_decode.controller import SpecController
+from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
 from fornax.tokenizer import Tokenizer
 
 
@@ -234,12 +235,12 @@ def _build_spec(
     target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
     # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
     # dense bf16 ones; drafts must not push a step over that limit. ("auto" on a model without
-    # quantized tensors leaves every step dense: no limit then. Nor is there one when int8 x
-    # int8 takes the larger steps: it is no dearer than int4 past a row, so no cliff.)
+    # quantized tensors leaves every step dense: no limit then.) When int8 x int8 takes the
+    # larger steps, crossing the limit costs a fixed step up only, which drafts may pay for.
     model = loaded.model
-    cliff = model.has_quantized_small_steps() and not model.has_int8_large_steps()
-    row_limit = config.small_step_max_rows if cliff else 0
-    return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit)
+    row_limit = config.small_step_max_rows if model.has_quantized_small_steps() else 0
+    cliff = TIER_STEP_COST if model.has_int8_large_steps() else math.inf
+    return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit, cliff)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -174,6 +174,7 @@ class SpecStats:
     num_steps: int = 0  # verification steps (each also yields one target-sampled token)
     acceptance_ema: float = 1.0  # optimistic start: every request gets to try
     paused_steps: int = 0  # steps to wait before probing again after a poor run
+    draft_kind: int = 0  # what this step's drafts rest on, for a KindedProposer (n-gram: matched length)
 
     @property
     def acceptance_rate(self) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +39,19 @@ class Proposer(Protocol):
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests: free any per-request state."""
         ...
+
+
+@runtime_checkable
+class KindedProposer(Proposer, Protocol):
+    """A proposer cheap enough to be asked for full drafts before the step's drafts are
+    budgeted, which says what kind of evidence each proposal rests on (n-gram: the length of
+    the matched tail). Acceptance differs by kind far more than by request (an n-gram matched
+    on one token is accepted ~15% of the time, one matched on four 60-85%), so the controller
+    learns it per kind and budgets each proposal by its own kind's rate."""
+
+    def propose_with_kinds(
+        self, requests: list[Request], num_tokens: list[int]
+    ) -> list[tuple[list[int], int]]: ...
 
 
 @dataclass(frozen=True)

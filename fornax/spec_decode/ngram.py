@@ -17,14 +17,20 @@ from fornax.spec_decode import TargetInfo, register_proposer
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed an earlier occurrence of the longest matching tail.
+    """Up to k tokens that followed an earlier occurrence of the longest matching tail."""
+    return lookup_with_length(tokens, k, min_n, max_n)[0]
+
+
+def lookup_with_length(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed an earlier occurrence of the longest matching tail, and
+    that tail's length (0: no match).
 
     Tries tail lengths max_n down to min_n. Among the occurrences of a tail, the latest one
     with k tokens after it wins (recent context predicts best); if none has k, the latest.
     """
     length = len(tokens)
     if length < min_n + 1 or k < 1:
-        return []
+        return [], 0
     seq = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [length - n, n]
@@ -34,8 +40,8 @@ def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         ends = hits + n  # first token after each occurrence; always < length
         full = ends[ends + k <= length]
         start = int(full[-1] if full.size else ends[-1])
-        return tokens[start : start + k]
-    return []
+        return tokens[start : start + k], n
+    return [], 0
 
 
 class NgramProposer:
@@ -45,7 +51,16 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
-        return [lookup(r.all_token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, num_tokens)]
+        return [drafts for drafts, _ in self.propose_with_kinds(requests, num_tokens)]
+
+    def propose_with_kinds(
+        self, requests: list[Request], num_tokens: list[int]
+    ) -> list[tuple[list[int], int]]:
+        """Drafts with the matched tail's length as their kind (the controller's KindedProposer)."""
+        return [
+            lookup_with_length(r.all_token_ids, k, self.min_n, self.max_n)
+            for r, k in zip(requests, num_tokens)
+        ]
 
     def setup_cost(self, request: Request) -> float:
         return 0.0

@@ -206,24 +206,102 @@ def test_drafts_are_capped_by_the_budget_and_dropped_before_anyone_is_preempted(
 # -- the adaptive rule --
 
 
-def test_adaptive_rule_pauses_a_request_with_poor_acceptance_then_probes_again():
-    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, probe_interval=3, min_acceptance_rate=0.3)
-    sched, runner = make_spec(block_size=4)
-    controller = SpecController(cfg, NgramProposer(cfg))
-    r = req("a", [7, 8, 7, 8, 7, 8, 7], max_tokens=40)  # lookup always proposes; fake model disagrees
-    sched.add_request(r)
-    spec_steps = []
-    for _ in range(16):
+class RepeatProposer:
+    """A proposer without kinds (like a draft model): always guesses the last token again."""
+
+    cost_per_token = 0.0
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [[r.all_token_ids[-1]] * k for r, k in zip(requests, num_tokens)]
+
+    def setup_cost(self, request: Request) -> float:
+        return 0.0
+
+    def drop(self, request_ids: object) -> None:
+        pass
+
+
+def _spec_steps(
+    controller: SpecController, sched: Scheduler, runner: FakeSpecRunner, steps: int
+) -> list[bool]:
+    out_steps = []
+    for _ in range(steps):
         controller.propose(sched.running)
         out = sched.schedule()
         result = runner.execute(out)
         sched.update_from_output(out, result)
         controller.observe(out, result)
-        spec_steps.append(bool(out.scheduled[0].spec_token_ids))
+        out_steps.append(bool(out.scheduled[0].spec_token_ids))
+    return out_steps
+
+
+def test_adaptive_rule_pauses_a_request_with_poor_acceptance_then_probes_again():
+    cfg = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2, probe_interval=3, min_acceptance_rate=0.3
+    )
+    sched, runner = make_spec(block_size=4)
+    controller = SpecController(cfg, RepeatProposer())
+    assert controller.kinds is None  # budgeted per request, by its EMA
+    sched.add_request(req("a", [7, 8, 7, 8, 7, 8, 7], max_tokens=40))  # the fake model never repeats
+    spec_steps = _spec_steps(controller, sched, runner, 16)
     assert spec_steps[0] is False  # the prefill step
-    # Drafts at steps 1-2 are all rejected; after that the request mostly waits.
-    assert sum(spec_steps) < 8, spec_steps
-    assert spec_steps.count(False) > 8
+    # The EMA starts at 1 and halves with each rejected step: under 0.3 after two. Then the
+    # request waits 3 steps, is probed once (rejected again), waits 3, ...
+    assert spec_steps[1:] == [True, True] + [False, False, False, True] * 3 + [False], spec_steps
+
+
+def _decoding(request_id: str, tokens: list[int]) -> Request:
+    r = req(request_id, tokens, max_tokens=40)
+    r.status = r.status.RUNNING
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def test_ngram_drafts_are_budgeted_by_the_kind_of_match():
+    """Each proposal is budgeted by the rate learned for its kind (the matched length); a
+    kind that keeps failing stops being drafted without pausing anyone."""
+    from types import SimpleNamespace
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    controller = SpecController(cfg, NgramProposer(cfg), row_limit=1, cliff=0.3)  # make run's shape
+    assert controller.kinds is not None
+    long_match = _decoding("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4])  # tail matched on 4 tokens
+    short_match = _decoding("b", [9, 5, 6, 7, 8, 5])  # on 1 token
+    controller.propose([long_match])
+    # The prior (0.5) pays for two drafts across the cliff; a third would gain 0.125 for 0.12.
+    assert long_match.spec_token_ids == [5, 6] and long_match.spec.draft_kind == 4
+    # The target rejects the first draft again and again: kind 4 learns it and stops.
+    for _ in range(8):
+        controller.propose([long_match])
+        if not long_match.spec_token_ids:
+            break
+        item = SimpleNamespace(request=long_match, spec_token_ids=long_match.spec_token_ids)
+        controller.observe(SimpleNamespace(scheduled=[item]), SimpleNamespace(spec_sampled={"a": [99]}))
+    assert long_match.spec_token_ids == [] and controller.kinds.rate(4) < 0.4  # one failure does it here
+    assert long_match.spec.paused_steps == 0  # not paused: a good match is drafted at once
+    controller.kinds.counts[1] = [40.0, 2.0]  # one-token matches have been accepted 95% of the time
+    controller.propose([long_match, short_match])
+    assert long_match.spec_token_ids == [] and short_match.spec_token_ids == [6, 7, 8]
+    assert short_match.spec.draft_kind == 1
+
+
+def test_acceptance_by_kind_learns_and_forgets():
+    from fornax.spec_decode.controller import AcceptanceByKind
+
+    kinds = AcceptanceByKind(decay=0.9)
+    assert kinds.rate(3) == 0.5
+    for _ in range(30):
+        kinds.observe(3, drafts=4, accepted=4)  # all accepted: successes, no failure
+        kinds.observe(1, drafts=4, accepted=0)  # the first rejected: one failure
+    assert kinds.rate(3) > 0.95 and kinds.rate(1) < 0.15
+    # Geometric: 3 of 4 accepted then a rejection is 3 successes and 1 failure.
+    one = AcceptanceByKind(decay=1.0)
+    one.observe(2, drafts=4, accepted=3)
+    assert one.rate(2) == (1 + 3) / (2 + 4)
+    low = kinds.rate(1)
+    for _ in range(100):
+        kinds.skipped(1)  # unused chances fade the evidence: the rate drifts back to the prior
+    assert low < kinds.rate(1) < 0.5 and abs(kinds.rate(1) - 0.5) < 0.01
 
 
 def test_no_speculation_in_large_batches():
@@ -268,6 +346,7 @@ def test_rejection_sampling_matches_the_target_distribution():
         first[tokens[0]] += 1
         if tokens[0] == drafts[0]:  # the second token is drawn given the first draft was kept
             second[tokens[1]] += 1
+
     def target(row: int) -> torch.Tensor:
         z = logits[row] / 0.8
         z[z < z.topk(8).values[-1]] = float("-inf")
@@ -320,3 +399,18 @@ def test_draft_budget_keeps_a_small_step_under_the_row_limit():
     assert plan_drafts([0.9] * 30, [3] * 30, 30, unit=0.0, row_cost=0.0, row_limit=24) == [3] * 30
     # No limit given: unchanged.
     assert plan_drafts([0.9] * 8, [4] * 8, 8, unit=0.0, row_cost=0.0) == [4] * 8
+
+
+def test_draft_budget_crosses_a_finite_cliff_only_when_the_drafts_pay_for_it():
+    from fornax.spec_decode.controller import plan_drafts
+
+    # One stream on int4 one-row steps, int8 x int8 past them (0.3 more): likely drafts pay
+    # for the step up, unlikely ones do not, though each would pay for its own row.
+    assert plan_drafts([0.85], [4], 1, unit=0.12, row_cost=0.12, row_limit=1, cliff=0.3) == [4]
+    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12, row_limit=1, cliff=0.3) == [0]
+    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12) != [0]
+    # An infinite cliff is never crossed; room below it is used without paying it.
+    assert plan_drafts([0.99], [4], 1, unit=0.12, row_cost=0.12, row_limit=1) == [0]
+    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12, row_limit=3, cliff=0.3) == [1]
+    # Past the limit already: no cliff to pay.
+    assert plan_drafts([0.3], [4], 2, unit=0.12, row_cost=0.12, row_limit=1, cliff=5.0) != [0]
