@@ -11,7 +11,9 @@ EOS ignored) goes through both engines in bf16 on the same GGUF:
 
 Then, for each engine and weight form (--quantization, e.g. none,int8,int4,auto,auto+w8a8):
   single-stream decode: one 128-token prompt, 128 new tokens, prefill excluded;
-  long-context decode: the same after a 2,000-token prompt (fornax only);
+  long-context decode: the same after a 2,000-token prompt (fornax only); the two alternate
+  --decode-repeats times, each figure is the median, and the 2k slowdown is the median of
+  the ratios of adjacent pairs (a lone 128-token run varied by 30% within one run);
   prefill: a lone 512-token prompt, time to its first token (median of 3 fresh prompts).
 
     python benchmarks/offline_throughput.py --quick
@@ -126,6 +128,23 @@ def fornax_single_stream(llm: LLM, prompt: list[int], new_tokens: int) -> float:
     return (len(out.outputs[0].token_ids) - 1) / out.timings["decode_s"]
 
 
+def fornax_decode_pairs(
+    llm: LLM, short: list[int], long: list[int], new_tokens: int, repeats: int
+) -> dict[str, float]:
+    """Single-stream decode after a short and a long prompt, alternating: the medians, and the
+    median ratio of adjacent pairs (so the machine's drift hits both sides of each ratio)."""
+    short_rates, long_rates = [], []
+    for _ in range(repeats):
+        short_rates.append(fornax_single_stream(llm, short, new_tokens))
+        long_rates.append(fornax_single_stream(llm, long, new_tokens))
+    ratios = [s / lo for s, lo in zip(short_rates, long_rates)]
+    return {
+        "decode": statistics.median(short_rates),
+        "decode_2k": statistics.median(long_rates),
+        "slowdown_2k": statistics.median(ratios),
+    }
+
+
 def fornax_prefill(llm: LLM, prompts: list[list[int]]) -> float:
     """Prompt tok/s of a lone prompt (median over distinct prompts, so no prefix-cache hits)."""
     rates = []
@@ -222,7 +241,7 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
     for name, r, single in results:
         wasted = 1 - r.useful_output_tokens / r.generated_tokens
         long = single.get("decode_2k")
-        slow = f"{single['decode'] / long:>11.2f}x" if long else f"{'-':>12}"
+        slow = f"{single['slowdown_2k']:>11.2f}x" if long else f"{'-':>12}"
         print(f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} {single['decode']:>10.1f} "
               f"{long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
     hf = next((x for x in results if x[0] == "hf"), None)
@@ -248,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                          "each optionally +w8a8 for the larger ones (auto+w8a8) and +kv8 for int8 K/V "
                          "(--kv-cache-dtype int8: auto+w8a8+kv8)")  # fmt: skip
     ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
+    ap.add_argument("--decode-repeats", type=int, default=3, help="single-stream decode runs per prompt length")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -275,11 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"fornax {form}"
         print(f"{name}: {num_prompts} requests ...", flush=True)
         result = run_fornax(llm, work)
-        single = {
-            "decode": fornax_single_stream(llm, single_prompt, single_tokens),
-            "decode_2k": fornax_single_stream(llm, long_prompt, single_tokens),
-            "prefill": fornax_prefill(llm, prefill_prompts),
-        }
+        single = fornax_decode_pairs(llm, single_prompt, long_prompt, single_tokens, args.decode_repeats)
+        single["prefill"] = fornax_prefill(llm, prefill_prompts)
         results.append((name, result, single))
         del llm
         gc.collect()

@@ -32,14 +32,22 @@ def lookup_with_length(tokens: list[int], k: int, min_n: int, max_n: int) -> tup
     if length < min_n + 1 or k < 1:
         return [], 0
     seq = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [length - n, n]
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))  # starts of earlier occurrences
+    # Every earlier occurrence of a tail ends on a copy of the last token: find those once,
+    # then keep the ones whose preceding tokens match too, one tail length at a time. (Each
+    # step costs the survivors, not the sequence: one pass over it in all.)
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # last index of each one-token occurrence
+    survivors = [ends]  # survivors[n - 1]: last indices of the occurrences of the n-token tail
+    for n in range(2, min(max_n, length - 1) + 1):
+        prev = survivors[-1]
+        prev = prev[prev >= n - 1]
+        survivors.append(prev[seq[prev - (n - 1)] == seq[-n]])
+    for n in range(len(survivors), min_n - 1, -1):
+        hits = survivors[n - 1]
         if hits.size == 0:
             continue
-        ends = hits + n  # first token after each occurrence; always < length
-        full = ends[ends + k <= length]
-        start = int(full[-1] if full.size else ends[-1])
+        after = hits + 1  # first token after each occurrence; always < length
+        full = after[after + k <= length]
+        start = int(full[-1] if full.size else after[-1])
         return tokens[start : start + k], n
     return [], 0
 

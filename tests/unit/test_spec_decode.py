@@ -75,6 +75,35 @@ def test_ngram_prefers_the_longest_tail_then_the_latest_full_match():
     assert lookup([5, 5, 5, 5], 2, 2, 2) == [5, 5]
 
 
+def _lookup_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """The lookup's definition, spelled out slowly."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        afters = [i + n for i in range(len(tokens) - n) if tokens[i : i + n] == tail]
+        if afters:
+            full = [a for a in afters if a + k <= len(tokens)]
+            start = full[-1] if full else afters[-1]
+            return tokens[start : start + k], n
+    return [], 0
+
+
+def test_ngram_lookup_matches_its_definition_on_random_sequences():
+    import random
+
+    from fornax.spec_decode.ngram import lookup_with_length
+
+    rng = random.Random(0)
+    matched = 0
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 4, 30])) for _ in range(rng.randrange(1, 60))]
+        k, min_n = rng.randrange(1, 7), rng.randrange(1, 4)
+        max_n = min_n + rng.randrange(0, 4)
+        got = lookup_with_length(tokens, k, min_n, max_n)
+        assert got == _lookup_reference(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        matched += got[1] > 0
+    assert 500 < matched < 1900  # both outcomes were exercised
+
+
 # -- scheduler bookkeeping with drafts --
 
 
