@@ -21,8 +21,9 @@ import statistics
 import time
 from collections import defaultdict
 
+from spec_decode import GROUNDED, OPEN  # the spec benchmark's prompts, next to this script
+
 from fornax import LLM, SamplingParams
-from spec_decode import GROUNDED, OPEN
 
 
 def time_decode_steps(llm: LLM) -> dict[int, list[float]]:
@@ -61,8 +62,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     quant = None if args.quantization == "none" else args.quantization
-    common = dict(progress=False, kv_cache_memory="512MiB", quantization=quant,
-                  large_step_quantization=args.large_step_quantization)  # fmt: skip
+    common = {"progress": False, "kv_cache_memory": "512MiB", "quantization": quant,
+              "large_step_quantization": args.large_step_quantization}  # fmt: skip
     plain = LLM(args.model, **common)  # type: ignore[arg-type]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "row_cost": 0.0, "disable_by_batch_size": 0}
     verify = LLM(args.model, speculative_config=spec, **common)  # type: ignore[arg-type]
