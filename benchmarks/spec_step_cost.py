@@ -12,6 +12,7 @@ Each engine step (schedule, forward, sampling, verification, bookkeeping) is tim
 steps that prefill are left out. The table gives the median milliseconds by rows.
 
     .venv/bin/python benchmarks/spec_step_cost.py [--quantization auto --large-step-quantization w8a8]
+    .venv/bin/python benchmarks/spec_step_cost.py --quantization none --large-step-quantization none  # dense
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--large-step-quantization", default="w8a8")
+    ap.add_argument("--large-step-quantization", default="w8a8", help="w8a8 or none")
     ap.add_argument("--batches", default="1,2,4,8,12,16,24,32,40")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     quant = None if args.quantization == "none" else args.quantization
+    large = None if args.large_step_quantization == "none" else args.large_step_quantization
     common = {"progress": False, "kv_cache_memory": "512MiB", "quantization": quant,
-              "large_step_quantization": args.large_step_quantization}  # fmt: skip
+              "large_step_quantization": large}  # fmt: skip
     plain = LLM(args.model, **common)  # type: ignore[arg-type]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "row_cost": 0.0, "disable_by_batch_size": 0}
     verify = LLM(args.model, speculative_config=spec, **common)  # type: ignore[arg-type]
