@@ -172,13 +172,17 @@ class SpeculativeConfig:
     # a CPU every verified row is real matmul work. Dense bf16 targets: 0.12. Quantized small
     # steps (native integer kernels) are compute-bound past one row, so a row costs more of a
     # step: at 0.12 open-ended prompts decoded 17% slower with n-gram drafts, at 0.5 level,
-    # grounded ones 1.17x (--quantization auto, 2026-12-03). disable_by_batch_size 4: with the native attention kernels, 8
-    # streams decoded 3-10% slower with n-gram drafts than without, whatever row_cost
-    # (0.12 and 0.3 measured, 2026-12-03), so by default a batch of more than 4 does not speculate.
+    # grounded ones 1.17x (--quantization auto, 2026-12-03). Where the engine has timed steps
+    # of the row counts in question, it plans on those instead (controller.py, _plan).
+    # disable_by_batch_size (None: by the target's weights): 8 streams decoded 3-10% slower
+    # with n-gram drafts than without, whatever row_cost (2026-12-03), so a batch of more
+    # than 4 does not speculate with quantized small steps. Dense bf16 targets: 2; with 3-4
+    # requests left, their drafted steps passed the bf16 kernel's four-row step and the
+    # batch's tail read 0.90-0.93x (three alternating runs, 2026-12-04; a limit of 2: 0.97-1.02x).
     min_acceptance_rate: float = 0.2
     acceptance_ema_decay: float = 0.5
     probe_interval: int = 16
-    disable_by_batch_size: int = 4
+    disable_by_batch_size: int | None = None
     row_cost: float | None = None
     draft_cost: float | None = None
 
@@ -207,7 +211,7 @@ class SpeculativeConfig:
             raise ConfigError("min_acceptance_rate must be in [0, 1)")
         if not 0.0 <= self.acceptance_ema_decay < 1.0:
             raise ConfigError("acceptance_ema_decay must be in [0, 1)")
-        if self.probe_interval < 1 or self.disable_by_batch_size < 0:
+        if self.probe_interval < 1 or (self.disable_by_batch_size or 0) < 0:
             raise ConfigError("probe_interval must be >= 1 and disable_by_batch_size >= 0")
         if (self.row_cost is not None and self.row_cost < 0) or (self.draft_cost is not None and self.draft_cost < 0):
             raise ConfigError("row_cost and draft_cost must be >= 0")

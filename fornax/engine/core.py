@@ -118,6 +118,7 @@ class EngineCore:
 
     # -- the step --
     def step(self) -> list[EngineOutput]:
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts ride on this step's decodes
@@ -142,6 +143,7 @@ class EngineCore:
             outputs.append(self._output(req, tokens, logprobs))
         if self.spec is not None:
             self.spec.observe(sched, result)
+            self.spec.observe_step(sched, time.perf_counter() - start)  # what the draft budget plans on
         self._release_siblings()
         if tap is not None:
             tap.on_outputs(self, outputs)

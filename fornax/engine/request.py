@@ -175,6 +175,8 @@ class SpecStats:
     acceptance_ema: float = 1.0  # optimistic start: every request gets to try
     paused_steps: int = 0  # steps to wait before probing again after a poor run
     draft_kind: int = 0  # what this step's drafts rest on, for a KindedProposer (n-gram: matched length)
+    # This request's own geometric record per kind: [accepted drafts, rejections] (controller.py).
+    kind_counts: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:

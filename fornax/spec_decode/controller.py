@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable
 
 from fornax.config import SpeculativeConfig
 from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -35,6 +37,9 @@ from fornax.spec_decode import KindedProposer, Proposer
 # One more verified row, relative to a decode step's fixed cost (measured: config.py).
 DENSE_ROW_COST = 0.12
 QUANTIZED_ROW_COST = 0.5
+# No speculation in a step with more running requests than this (measured: config.py).
+DENSE_BATCH_LIMIT = 2
+QUANTIZED_BATCH_LIMIT = 4
 # A lone request's step with int4 one-row steps and int8 x int8 past them (make run's
 # weights): timed whole engine steps by rows (4 x 16 prompts x 96 tokens, n-gram drafting
 # always; 2026-12-04): 5.2 ms at one row, 7.1 at two, 8.8 at five, 11.5 at nine. Past one
@@ -45,6 +50,8 @@ TIER_STEP_COST = 0.3
 # so a kind that stopped paying drifts back towards the prior and is tried again (for
 # n-gram's one-token matches, after ~200 skips).
 KIND_DECAY = 0.98
+# A request's own record of a kind counts against its kind's global rate as this many trials.
+REQUEST_PRIOR = 2.0
 
 
 class AcceptanceByKind:
@@ -74,6 +81,40 @@ class AcceptanceByKind:
             counts[0] *= self.decay
             counts[1] *= self.decay
 
+    def rate_for(self, request_counts: dict[int, list[float]], kind: int) -> float:
+        """The kind's rate for one request: the request's own record of that kind, shrunk
+        towards the kind's rate over all requests with the weight of REQUEST_PRIOR trials.
+        Kinds tell most, but not all: a long match in a request that summarises fails where
+        the same match in one that copies succeeds, and two failures in a request should
+        count for more than hundreds elsewhere."""
+        accepted, rejected = request_counts.get(kind, (0.0, 0.0))
+        return (REQUEST_PRIOR * self.rate(kind) + accepted) / (REQUEST_PRIOR + accepted + rejected)
+
+
+class StepCosts:
+    """Seconds of whole decode-only engine steps, by their number of rows, as this engine
+    measured them: what the draft budget plans on where it has them (see _plan).
+
+    A row count is trusted from MIN_SAMPLES steps on, and its figure is the median of the
+    last WINDOW: one hiccup of a shared machine must not stop a row count being chosen.
+    """
+
+    WINDOW = 9
+    MIN_SAMPLES = 3
+
+    def __init__(self) -> None:
+        self._samples: dict[int, deque[float]] = {}
+        self._median: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        samples = self._samples.setdefault(rows, deque(maxlen=self.WINDOW))
+        samples.append(seconds)
+        if len(samples) >= self.MIN_SAMPLES:
+            self._median[rows] = statistics.median(samples)
+
+    def seconds_at(self, rows: int) -> float | None:
+        return self._median.get(rows)
+
 
 class SpecController:
     def __init__(
@@ -86,6 +127,11 @@ class SpecController:
         self.config, self.proposer, self.row_limit, self.cliff = config, proposer, row_limit, cliff
         default_row_cost = QUANTIZED_ROW_COST if row_limit and math.isinf(cliff) else DENSE_ROW_COST
         self.row_cost = default_row_cost if config.row_cost is None else config.row_cost
+        default_limit = QUANTIZED_BATCH_LIMIT if row_limit else DENSE_BATCH_LIMIT
+        limit = config.disable_by_batch_size
+        self.batch_limit = default_limit if limit is None else limit
+        # Measured step costs replace the fitted line unless the caller fixed row_cost.
+        self.step_costs = StepCosts() if config.row_cost is None else None
         # Checked once: isinstance against a runtime Protocol walks its attributes (~25 us).
         self.kinded = proposer if isinstance(proposer, KindedProposer) else None
         self.kinds = AcceptanceByKind() if self.kinded is not None else None
@@ -103,7 +149,7 @@ class SpecController:
         """Set spec_token_ids on the running requests that speculate this step."""
         for request in running:
             request.spec_token_ids = []  # drafts live one step; leftovers of an unscheduled one go
-        limit = self.config.disable_by_batch_size
+        limit = self.batch_limit
         if limit and len(running) > limit:
             return
         candidates: list[Request] = []
@@ -145,7 +191,7 @@ class SpecController:
         found = [(r, drafts, kind) for r, (drafts, kind) in zip(candidates, proposals) if drafts]
         if not found:
             return
-        rates = [self.kinds.rate(kind) for _, _, kind in found]
+        rates = [self.kinds.rate_for(r.spec.kind_counts, kind) for r, _, kind in found]
         unit = self.row_cost + (self.config.draft_cost or 0.0)
         counts = self._plan(rates, [len(d) for _, d, _ in found], num_rows, unit, None)
         for (request, drafts, kind), k in zip(found, counts):
@@ -158,9 +204,48 @@ class SpecController:
     def _plan(
         self, rates: list[float], max_counts: list[int], num_rows: int, unit: float, setup: list[float] | None
     ) -> list[int]:
-        return plan_drafts(
-            rates, max_counts, num_rows, unit, self.row_cost, setup, self.row_limit, self.cliff
-        )
+        """Drafts per candidate. Costs come from the steps this engine has timed where it has
+        them, and from the fitted line (`row_cost`, the cliff) scaled to them where not.
+
+        The line is only a prior: the native kernels' cost by rows is a staircase (dense
+        bf16 takes one to four rows for nearly the price of one, then steps up by half), and
+        a verify step also pays the sampler's and the bookkeeping's share. A row count the
+        prior makes look good gets tried, timed, and from then on planned on as measured.
+        """
+        base = self.step_costs.seconds_at(num_rows) if self.step_costs is not None else None
+        if base is None:
+            return plan_drafts(
+                rates, max_counts, num_rows, unit, self.row_cost, setup, self.row_limit, self.cliff
+            )
+        assert self.step_costs is not None
+        scale = base / self._prior_units(num_rows, num_rows)  # seconds per prior unit, now
+        costs = self.step_costs
+
+        def seconds(rows: int) -> float:
+            measured = costs.seconds_at(rows)
+            return measured if measured is not None else self._prior_units(num_rows, rows) * scale
+
+        fits = self.row_limit > 0 and num_rows <= self.row_limit
+        room = self.row_limit - num_rows if fits and math.isinf(self.cliff) else -1
+        per_draft = (
+            unit - self.row_cost
+        ) * scale  # a draft's own cost beyond its row (a draft model's forward)
+        setup_seconds = None if setup is None else [x * scale for x in setup]
+        return plan_by_step_costs(rates, max_counts, num_rows, seconds, per_draft, setup_seconds, room)
+
+    def _prior_units(self, num_rows: int, rows: int) -> float:
+        """The fitted line: a step of `rows` rows, when the step without drafts has num_rows."""
+        units = 1.0 + self.row_cost * rows
+        if self.row_limit and num_rows <= self.row_limit < rows and not math.isinf(self.cliff):
+            units += self.cliff
+        return units
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Time a whole engine step; only all-decode steps (with or without drafts) count."""
+        if self.step_costs is None or not sched.scheduled:
+            return
+        if all(item.num_new_tokens == 1 + len(item.spec_token_ids) for item in sched.scheduled):
+            self.step_costs.observe(sched.num_batched_tokens, seconds)
 
     def _amortized_setup(self, request: Request, rate: float) -> float:
         """The proposer's one-off setup cost spread over the steps the request has left.
@@ -185,7 +270,11 @@ class SpecController:
                 continue
             spec = item.request.spec
             if self.kinds is not None:  # budgeted by kind: no per-request pause
-                self.kinds.observe(spec.draft_kind, len(item.spec_token_ids), len(tokens) - 1)
+                drafts, accepted = len(item.spec_token_ids), len(tokens) - 1
+                self.kinds.observe(spec.draft_kind, drafts, accepted)
+                own = spec.kind_counts.setdefault(spec.draft_kind, [0.0, 0.0])
+                own[0] += accepted
+                own[1] += 1.0 if accepted < drafts else 0.0
                 continue
             rate = (len(tokens) - 1) / len(item.spec_token_ids)
             spec.acceptance_ema = decay * spec.acceptance_ema + (1.0 - decay) * rate
@@ -267,3 +356,46 @@ def _greedy(
         if j < max_counts[i]:
             heapq.heappush(heap, (-(gain * rates[i]), i, j + 1))
     return counts, tokens, cost
+
+
+def plan_by_step_costs(
+    rates: list[float],
+    max_counts: list[int],
+    num_rows: int,
+    seconds: Callable[[int], float],
+    per_draft: float = 0.0,
+    setup: list[float] | None = None,
+    room: int = -1,
+) -> list[int]:
+    """Drafts per request that maximise expected tokens per second, for a step-cost curve.
+
+    `seconds(rows)` is what a step of that many rows costs. Whatever the total number of
+    drafts m, the best m are the m likeliest (draft j of a request with acceptance a gains
+    a**j, and a request's drafts come in order), so trying every m is exact for the curve,
+    steps and all, where a greedy walk along a line stops at the first step up. Each draft
+    also costs `per_draft` and a request's first one its `setup` (seconds); at most `room`
+    drafts in all (-1: no bound).
+    """
+    rates = [min(max(a, 0.0), 1.0) for a in rates]
+    heap = [(-a, i, 1) for i, a in enumerate(rates) if max_counts[i] > 0]
+    heapq.heapify(heap)
+    order: list[tuple[int, int]] = []  # (request, draft number), likeliest first
+    gains: list[float] = []
+    while heap and len(order) != room:
+        neg_gain, i, j = heapq.heappop(heap)
+        order.append((i, j))
+        gains.append(-neg_gain)
+        if j < max_counts[i]:
+            heapq.heappush(heap, (neg_gain * rates[i], i, j + 1))
+    best_m, best = 0, num_rows / seconds(num_rows)
+    tokens, extra = float(num_rows), 0.0
+    for m, ((i, j), gain) in enumerate(zip(order, gains), start=1):
+        tokens += gain
+        extra += per_draft + (setup[i] if setup is not None and j == 1 else 0.0)
+        rate = tokens / (seconds(num_rows + m) + extra)
+        if rate > best:
+            best_m, best = m, rate
+    counts = [0] * len(rates)
+    for i, j in order[:best_m]:
+        counts[i] = j
+    return counts

@@ -344,6 +344,62 @@ def test_no_speculation_in_large_batches():
     assert all(r.spec_token_ids == [] for r in running)
     controller.propose(running[:2])
     assert all(r.spec_token_ids for r in running[:2])
+    # Unset, the limit follows the target's weights: dense 2, quantized small steps 4.
+    ngram = SpeculativeConfig(method="ngram")
+    assert SpecController(ngram, NgramProposer(ngram)).batch_limit == 2
+    assert SpecController(ngram, NgramProposer(ngram), row_limit=1, cliff=0.3).batch_limit == 4
+
+
+def test_budget_on_measured_step_costs_sees_the_staircase():
+    from fornax.spec_decode.controller import plan_by_step_costs
+
+    # The dense bf16 kernel: one to four rows for nearly the price of one, then a step up.
+    stairs = {1: 10.0, 2: 10.3, 3: 10.6, 4: 11.0, 5: 15.5, 6: 16.0, 7: 16.5, 8: 22.0}
+    assert plan_by_step_costs([0.7], [4], 1, stairs.__getitem__) == [3]  # stops below the step
+    assert plan_by_step_costs([0.99], [4], 1, stairs.__getitem__) == [3]  # even near-certain ones
+    low_step = stairs | {5: 12.0}
+    assert plan_by_step_costs([0.99], [4], 1, low_step.__getitem__) == [4]  # a low step is climbed
+    line = {r: 10.0 + 1.2 * r for r in range(1, 9)}  # a gentle line: the likely drafts all pay
+    assert plan_by_step_costs([0.7], [4], 1, line.__getitem__) == [4]
+    # Two requests, the likelier one's drafts first; a setup cost can rule a request out.
+    assert plan_by_step_costs([0.9, 0.3], [3, 3], 2, line.__getitem__) == [3, 0]
+    assert plan_by_step_costs([0.9], [3], 1, line.__getitem__, setup=[100.0]) == [0]
+    assert plan_by_step_costs([0.9, 0.9], [3, 3], 2, line.__getitem__, room=2) in ([2, 0], [1, 1])
+
+
+def test_controller_plans_on_the_steps_it_timed():
+    from types import SimpleNamespace
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    controller = SpecController(cfg, NgramProposer(cfg))  # dense: the fitted line until timed
+    assert controller.step_costs is not None
+    r = _decoding("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4])
+    controller.kinds.counts[4] = [30.0, 10.0]  # ~0.74
+    controller.propose([r])
+    assert len(r.spec_token_ids) == 4  # the line: every likely draft pays
+    for rows, ms in {1: 10.0, 2: 10.3, 3: 10.6, 4: 11.0, 5: 15.5}.items():
+        for _ in range(3):
+            item = SimpleNamespace(num_new_tokens=rows, spec_token_ids=[0] * (rows - 1))
+            controller.observe_step(SimpleNamespace(scheduled=[item], num_batched_tokens=rows), ms / 1e3)
+    controller.propose([r])
+    assert len(r.spec_token_ids) == 3  # timed: the fifth row costs more than it brings
+    # A step that prefills is not timed; a caller's explicit row_cost keeps the line.
+    prefill = SimpleNamespace(num_new_tokens=7, spec_token_ids=[])
+    controller.observe_step(SimpleNamespace(scheduled=[prefill], num_batched_tokens=7), 1.0)
+    assert controller.step_costs.seconds_at(7) is None
+    fixed = SpeculativeConfig(method="ngram", row_cost=0.1)
+    assert SpecController(fixed, NgramProposer(fixed)).step_costs is None
+
+
+def test_a_requests_own_record_of_a_kind_outweighs_the_global_rate():
+    from fornax.spec_decode.controller import AcceptanceByKind
+
+    kinds = AcceptanceByKind()
+    kinds.counts[4] = [80.0, 10.0]  # long matches are usually right...
+    copying, summarising = {4: [6.0, 0.0]}, {4: [0.0, 2.0]}
+    assert kinds.rate_for({}, 4) == kinds.rate(4)  # no record: the kind's rate
+    assert kinds.rate_for(copying, 4) > kinds.rate(4)
+    assert kinds.rate_for(summarising, 4) < 0.5  # ...but not in this request: two failures tell
 
 
 # -- rejection sampling keeps the target distribution --
