@@ -96,24 +96,35 @@ class StepCosts:
     measured them: what the draft budget plans on where it has them (see _plan).
 
     A row count is trusted from MIN_SAMPLES steps on, and its figure is the median of the
-    last WINDOW: one hiccup of a shared machine must not stop a row count being chosen.
+    last WINDOW: one hiccup of a shared machine must not stop a row count being chosen. A
+    count not timed again for MAX_AGE steps is forgotten: one timed during a burst of outside
+    load and never chosen since would otherwise never be re-timed.
     """
 
     WINDOW = 9
     MIN_SAMPLES = 3
+    MAX_AGE = 2000  # steps: ~10-20 s of decoding here
 
     def __init__(self) -> None:
         self._samples: dict[int, deque[float]] = {}
         self._median: dict[int, float] = {}
+        self._last_seen: dict[int, int] = {}
+        self._steps = 0
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._steps += 1
+        self._last_seen[rows] = self._steps
         samples = self._samples.setdefault(rows, deque(maxlen=self.WINDOW))
         samples.append(seconds)
         if len(samples) >= self.MIN_SAMPLES:
             self._median[rows] = statistics.median(samples)
 
     def seconds_at(self, rows: int) -> float | None:
-        return self._median.get(rows)
+        median = self._median.get(rows)
+        if median is not None and self._steps - self._last_seen[rows] > self.MAX_AGE:
+            del self._median[rows], self._samples[rows], self._last_seen[rows]
+            return None
+        return median
 
 
 class SpecController:

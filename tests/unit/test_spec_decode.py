@@ -391,6 +391,22 @@ def test_controller_plans_on_the_steps_it_timed():
     assert SpecController(fixed, NgramProposer(fixed)).step_costs is None
 
 
+def test_step_costs_trust_three_samples_take_the_median_and_forget_old_counts():
+    from fornax.spec_decode.controller import StepCosts
+
+    costs = StepCosts()
+    costs.observe(5, 0.010)
+    costs.observe(5, 0.500)  # a hiccup
+    assert costs.seconds_at(5) is None  # two samples: not yet
+    costs.observe(5, 0.012)
+    assert costs.seconds_at(5) == 0.012  # the median: the hiccup does not count
+    for _ in range(StepCosts.MAX_AGE):
+        costs.observe(1, 0.004)  # only one-row steps from now on
+    assert costs.seconds_at(5) == 0.012  # still recent enough
+    costs.observe(1, 0.004)
+    assert costs.seconds_at(5) is None and costs.seconds_at(1) == 0.004  # forgotten, to be re-timed
+
+
 def test_a_requests_own_record_of_a_kind_outweighs_the_global_rate():
     from fornax.spec_decode.controller import AcceptanceByKind
 
