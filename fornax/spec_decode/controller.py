@@ -238,9 +238,8 @@ class SpecController:
 
         fits = self.row_limit > 0 and num_rows <= self.row_limit
         room = self.row_limit - num_rows if fits and math.isinf(self.cliff) else -1
-        per_draft = (
-            unit - self.row_cost
-        ) * scale  # a draft's own cost beyond its row (a draft model's forward)
+        # A draft's own cost beyond its row (a draft model's forward; nothing for n-gram).
+        per_draft = (unit - self.row_cost) * scale
         setup_seconds = None if setup is None else [x * scale for x in setup]
         return plan_by_step_costs(rates, max_counts, num_rows, seconds, per_draft, setup_seconds, room)
 
