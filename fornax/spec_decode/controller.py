@@ -54,6 +54,13 @@ KIND_DECAY = 0.98
 REQUEST_PRIOR = 2.0
 
 
+def add_verify(counts: list[float], drafts: int, accepted: int, decay: float = 1.0) -> None:
+    """Fold one verify into geometric [successes, failures] counts, decaying the old ones:
+    `accepted` of `drafts` survived, and a rejection ended the run if accepted < drafts."""
+    counts[0] = counts[0] * decay + accepted
+    counts[1] = counts[1] * decay + (1.0 if accepted < drafts else 0.0)
+
+
 class AcceptanceByKind:
     """Per-draft acceptance rate of each kind of proposal, learned over all requests.
 
@@ -71,9 +78,7 @@ class AcceptanceByKind:
         return (1.0 + accepted) / (2.0 + accepted + rejected)
 
     def observe(self, kind: int, drafts: int, accepted: int) -> None:
-        counts = self.counts.setdefault(kind, [0.0, 0.0])
-        counts[0] = counts[0] * self.decay + accepted
-        counts[1] = counts[1] * self.decay + (1.0 if accepted < drafts else 0.0)
+        add_verify(self.counts.setdefault(kind, [0.0, 0.0]), drafts, accepted, self.decay)
 
     def skipped(self, kind: int) -> None:
         counts = self.counts.get(kind)
@@ -282,9 +287,7 @@ class SpecController:
             if self.kinds is not None:  # budgeted by kind: no per-request pause
                 drafts, accepted = len(item.spec_token_ids), len(tokens) - 1
                 self.kinds.observe(spec.draft_kind, drafts, accepted)
-                own = spec.kind_counts.setdefault(spec.draft_kind, [0.0, 0.0])
-                own[0] += accepted
-                own[1] += 1.0 if accepted < drafts else 0.0
+                add_verify(spec.kind_counts.setdefault(spec.draft_kind, [0.0, 0.0]), drafts, accepted)
                 continue
             rate = (len(tokens) - 1) / len(item.spec_token_ids)
             spec.acceptance_ema = decay * spec.acceptance_ema + (1.0 - decay) * rate
