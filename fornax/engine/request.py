@@ -19,6 +19,13 @@ MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# A temperature below this samples greedily, as in vLLM: dividing logits by it overflows
+# float32 (1e-50 is 0.0 there), and the distribution it asks for is the argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# A repetition penalty below this acts as this: a seen token's positive logit divided by
+# 1e-6 already outweighs every other token, and a smaller float32 divisor overflows to inf
+# (1e-50 becomes 0.0) and turns the row into NaNs.
+MIN_REPETITION_PENALTY = 1e-6
 
 
 class SamplingParamsError(ValueError):
@@ -63,6 +70,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
+        if 0.0 < self.repetition_penalty < MIN_REPETITION_PENALTY:
+            self.repetition_penalty = MIN_REPETITION_PENALTY
         self.validate()
 
     @property

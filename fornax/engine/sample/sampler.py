@@ -233,6 +233,7 @@ def top_k_top_p_threshold(
         mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [n, width]
         # Outside the nucleus once the better tokens hold top_p; the best token always stays.
         keep = allowed & ((mass_before < top_p.unsqueeze(1)) | ~p_on)  # [n, width], a prefix
+        keep[:, :1] = allowed[:, :1]  # even when top_p rounds to 0.0 in float32 (1e-50)
         # Settled: the cut is inside the candidates, or nothing lies beyond them, or top-p
         # is off (then the row's cut is top-k's, which fits, or none).
         settled = ~keep[:, -1:] | ~beyond | ~p_on  # [n, 1]
@@ -276,7 +277,10 @@ def draw_tokens(
     several times more on CPU: the RNG dominates.)
     """
     num_rows = logits.shape[0]
-    shifted = logits - logits.amax(dim=-1, keepdim=True)  # [n, vocab], <= 0
+    # The floor keeps a row whose every logit is -inf (all masked) finite: it draws token 0
+    # instead of NaNs, which searchsorted would turn into an id past the vocabulary.
+    row_max = logits.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(logits.dtype).min)  # [n, 1]
+    shifted = logits - row_max  # [n, vocab], <= 0
     weights = shifted.div_(temperature.unsqueeze(1)).exp_()  # [n, vocab]: best token 1
     if threshold is not None:
         weights.masked_fill_(logits < threshold, 0.0)
