@@ -9,7 +9,9 @@ to suit its interleaved RoPE) is undone here so the weights are in HF's half-spl
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,19 @@ SUPPORTED_HF_ARCHITECTURES = {
 }  # fmt: skip
 # Quant types we accept; the gguf package dequantizes each of these.
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+# Bounds on the sizes a GGUF's metadata may claim, checked before anything is sized from them
+# (the model's layers, the RoPE table, the list of expected tensors). Each is several times
+# what the largest open models use today (about 130 layers, width 16k, FFN 53k, 128 heads
+# of 128, vocabularies of 256k, contexts of 10M), so no real file is refused while a
+# hostile one cannot ask for a huge allocation.
+MAX_BLOCK_COUNT = 1024
+MAX_EMBEDDING_LENGTH = 1 << 17
+MAX_FEED_FORWARD_LENGTH = 1 << 20
+MAX_HEAD_COUNT = 1 << 12
+MAX_HEAD_DIM = 1 << 12
+MAX_CONTEXT_LENGTH = 1 << 24
+MAX_VOCAB_SIZE = 1 << 22
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -85,6 +100,9 @@ class LoadedWeights:
     int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)  # only when asked for
 
 
+_PARSE_ERRORS = (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError, RecursionError)
+
+
 def read_gguf(path: Path) -> GGUFFile:
     """Open a GGUF file; any malformation becomes one ModelLoadError line."""
     try:
@@ -93,46 +111,93 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path} is not a valid GGUF file: {exc}") from None
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    # The parser checks what it reads; this is the net under it, so that a case it missed
+    # still reads as one line about the file rather than a traceback.
+    except _PARSE_ERRORS as exc:
+        raise ModelLoadError(f"{path} is not a valid GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def _meta_int(metadata: dict[str, Any], key: str, upper: int, default: int | None = None) -> int:
+    """An integer metadata value in [1, upper]: checked before anything is sized from it."""
+    value = metadata.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata is missing {key}")
+    if isinstance(value, bool) or not isinstance(value, int):  # bool is an int, but never a size
+        raise ModelLoadError(f"GGUF metadata {key} must be an integer, got {_short(value)}")
+    if not 1 <= value <= upper:
+        raise ModelLoadError(f"GGUF metadata {key} = {value} is out of range (1 to {upper})")
+    return value
+
+
+def _meta_float(
+    metadata: dict[str, Any], key: str, default: float | None = None, positive: bool = True
+) -> float:
+    value = metadata.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata is missing {key}")
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        kind = "a positive number" if positive else "a number >= 0"
+        raise ModelLoadError(f"GGUF metadata {key} must be {kind}, got {_short(value)}")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    """A metadata value for an error line: a hostile file's value may be a 100k-item list."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _gguf_vocab_size(metadata: dict[str, Any], arch: str) -> int:
+    key = f"{arch}.vocab_size"
+    if key in metadata:
+        return _meta_int(metadata, key, MAX_VOCAB_SIZE)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ModelLoadError(f"GGUF metadata gives no vocabulary size (no {key}, no tokenizer.ggml.tokens)")
+    if len(tokens) > MAX_VOCAB_SIZE:
+        raise ModelLoadError(f"GGUF vocabulary of {len(tokens)} tokens is out of range (1 to {MAX_VOCAB_SIZE})")
+    return len(tokens)
+
+
+def _head_dim(value: Any) -> int:
+    # even: RoPE rotates pairs of values, and the Q/K un-permutation splits each head in two
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_HEAD_DIM or value % 2:
+        raise ModelLoadError(f"GGUF head dimension {_short(value)} is not an even number from 2 to {MAX_HEAD_DIM}")
+    return value
 
 
 def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:  # a list is not even hashable
         supported = ", ".join(sorted(GGUF_ARCHITECTURES))
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {supported})")
+        raise ModelLoadError(f"unsupported GGUF architecture {_short(arch)} (supported: {supported})")
     hf_arch, _, has_bias, qk_norm = GGUF_ARCHITECTURES[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
-        return value
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    kv_heads = int(get("attention.head_count_kv", heads))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+    p = f"{arch}."
+    hidden = _meta_int(metadata, p + "embedding_length", MAX_EMBEDDING_LENGTH)
+    heads = _meta_int(metadata, p + "attention.head_count", MAX_HEAD_COUNT)
+    kv_heads = _meta_int(metadata, p + "attention.head_count_kv", MAX_HEAD_COUNT, default=heads)
+    head_dim = _head_dim(metadata.get(p + "attention.key_length") or hidden // heads)
     rope_scaling = None
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    scaling_type = metadata.get(p + "rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _meta_float(metadata, p + "rope.scaling.factor")}
     elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"unsupported RoPE scaling {scaling_type!r} in GGUF")
+        raise ModelLoadError(f"unsupported RoPE scaling {_short(scaling_type)} in GGUF")
     try:
         return ModelConfig(
             architecture=hf_arch,
-            vocab_size=int(vocab),
+            vocab_size=_gguf_vocab_size(metadata, arch),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=_meta_int(metadata, p + "feed_forward_length", MAX_FEED_FORWARD_LENGTH),
+            num_hidden_layers=_meta_int(metadata, p + "block_count", MAX_BLOCK_COUNT),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=_meta_float(metadata, p + "attention.layer_norm_rms_epsilon", positive=False),
+            rope_theta=_meta_float(metadata, p + "rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("context_length", 4096)),
+            max_position_embeddings=_meta_int(metadata, p + "context_length", MAX_CONTEXT_LENGTH, 4096),
             tie_word_embeddings=False,  # decided from the tensors present
             attention_bias=has_bias,
             qk_norm=qk_norm,
@@ -183,16 +248,26 @@ def _q4_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray
 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False) -> LoadedWeights:
+    gguf_file = read_gguf(path)
+    try:
+        return _weights_from_gguf(gguf_file, path, dtype, progress, keep_int4_blocks)
+    except ModelLoadError as exc:  # the checks speak of the file's contents: say which file
+        raise ModelLoadError(f"{path}: {exc}") from None
+
+
+def _weights_from_gguf(
+    gguf_file: GGUFFile, path: Path, dtype: torch.dtype, progress: bool, keep_int4_blocks: bool
+) -> LoadedWeights:
     from gguf.quants import dequantize
 
-    gguf_file = read_gguf(path)
     if gguf_file.byte_order != "<":  # the dequantizers read block scales as little-endian
-        raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian files can be loaded")
+        raise ModelLoadError("a big-endian GGUF; only little-endian files can be loaded")
     metadata = gguf_file.metadata
     for t in gguf_file.tensors:  # refuse before any work, whatever else the file holds
         if t.type_name not in SUPPORTED_GGUF_TYPES:
-            raise ModelLoadError(f"tensor {t.name} has unsupported GGUF quant type {t.type_name}")
+            raise ModelLoadError(f"tensor {t.name[:64]!r} has unsupported GGUF quant type {t.type_name}")
     config = gguf_model_config(metadata, name=path.stem)
+    _check_gguf_shapes(config, gguf_file)
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]
     tensors: dict[str, torch.Tensor] = {}
@@ -206,8 +281,7 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_b
             freq_factors = torch.tensor(np.asarray(array, dtype=np.float32))
             continue
         hf_name = _gguf_to_hf_name(t.name)
-        if hf_name is None:
-            raise ModelLoadError(f"unexpected tensor {t.name!r} in a {arch} GGUF")
+        assert hf_name is not None  # _check_gguf_shapes refused any other name
         heads = None
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
@@ -233,6 +307,43 @@ def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_b
     config = _replace(config, tie_word_embeddings=tied, rope_scaling=scaling)
     _check_tensor_set(config, tensors)
     return LoadedWeights(config, tensors, metadata, file_quantization, int4_blocks)
+
+
+def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
+    """The HF-layout shape a tensor must have for `config` (the model copies it in as is)."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    hidden, ffn = c.hidden_size, c.intermediate_size
+    part = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
+    return {
+        "model.embed_tokens.weight": (c.vocab_size, hidden), "lm_head.weight": (c.vocab_size, hidden),
+        "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,),
+        "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+    }[part]  # fmt: skip
+
+
+def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
+    """Every tensor's shape against the metadata, before any is dequantized: a mismatch
+    would otherwise surface later as a reshape or copy error deep in loading."""
+    for t in gguf_file.tensors:
+        if t.name == "rope_freqs.weight":
+            expected: tuple[int, ...] = (config.head_dim // 2,)
+        else:
+            hf_name = _gguf_to_hf_name(t.name)
+            if hf_name is None:
+                raise ModelLoadError(f"unexpected tensor {t.name[:64]!r} in a {config.architecture} GGUF")
+            layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+            if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                raise ModelLoadError(f"tensor {t.name} is past block_count {config.num_hidden_layers}")
+            expected = _expected_shape(config, hf_name)
+        if t.shape != expected:
+            raise ModelLoadError(f"tensor {t.name} has shape {t.shape}, the metadata implies {expected}")
 
 
 def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
