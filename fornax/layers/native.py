@@ -9,8 +9,13 @@ They are compiled on first use into one library in the fornax cache, keyed by th
 the flags and the CPU (`-march=native`), and called through ctypes, which releases the GIL
 for the call. The library links libgomp by soname, so in a process where torch is loaded
 first it shares torch's OpenMP runtime and thread pool (two runtimes would spin against
-each other on 2 cores). Where no compiler is found or the build fails, the loaders return
-None and the layers use torch ops; nothing else changes.
+each other on 2 cores). Where the library cannot be built or loaded (no compiler, no writable
+cache directory, a failed build), the loaders return None and the layers use torch ops;
+nothing else changes, but the process logs why, once, in one line ("fornax.kernels").
+
+A cached library is loaded only when the record written next to it after its build names
+the current sources' digest and the library file's own hash (_cached). With FORNAX_DEBUG=1
+the wrappers check the indices they pass to C (slots, block tables, row maps) first.
 """
 
 from __future__ import annotations
@@ -18,23 +23,40 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from fornax.config import fornax_home
+from fornax.config import debug_checks_enabled, env_c_compiler, fornax_home
 from fornax.layers.kv_pool import LayerKV
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 T = TypeVar("T")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+logger = logging.getLogger("fornax.kernels")
+
+# Range checks of the indices passed to C (check_paged_indices and friends). Off unless
+# FORNAX_DEBUG=1: the hot path then pays one global boolean test per call. Tests and
+# debugging sessions may switch them with set_debug_checks.
+DEBUG_CHECKS: bool = debug_checks_enabled()
+
+
+def set_debug_checks(enabled: bool) -> None:
+    global DEBUG_CHECKS
+    DEBUG_CHECKS = enabled
+
+
+class KernelsUnavailable(Exception):
+    """Why the library cannot be built or loaded here; the message ends up in the one warning line."""
 
 
 def _cpu_signature() -> str:
@@ -47,32 +69,176 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
-    sources = sorted(KERNEL_DIR.glob("*.c"))
+def _source_digest() -> str:
+    """What the library depends on: the flags, the CPU (-march=native) and every source and header."""
     digest = hashlib.sha256(" ".join(FLAGS).encode() + _cpu_signature().encode())
     for path in sorted(KERNEL_DIR.glob("*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
-    out_dir = fornax_home() / "kernels"
-    target = out_dir / f"fornax_kernels-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Build to a temporary name and rename: concurrent processes never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    return digest.hexdigest()
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_suffix(".sha256")
+
+
+def _record(source_digest: str, library: Path) -> str:
+    """The text of a library's build record: the sources' full digest (the file name keeps only
+    16 hex digits of it) and the hash of the library's bytes as built."""
+    return f"sources {source_digest}\nlibrary {hashlib.sha256(library.read_bytes()).hexdigest()}\n"
+
+
+def _cached(library: Path, source_digest: str) -> bool:
+    """Whether `library` is what a build of these sources wrote. The record is a file beside the
+    library rather than a string compiled into it, because it must be checked before dlopen:
+    loading a stale or tampered library already runs its constructors. Hashing the ~150 kB
+    file costs well under a millisecond, once per process."""
     try:
-        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        return _record_path(library).read_text() == _record(source_digest, library)
+    except OSError:  # no library or no record (an older fornax, a build cut short): rebuild
+        return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """A compiler's or the loader's message, fit for the single warning line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "no message")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _find_compiler() -> str:
+    requested = env_c_compiler()
+    if requested:  # CC given: that compiler or none, as make does
+        found = shutil.which(requested)
+        if found is None:
+            raise KernelsUnavailable(f"CC={requested} is not an executable C compiler")
+        return found
+    found = shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise KernelsUnavailable("no C compiler found: set CC or install gcc")
+    return found
+
+
+def _cache_dir() -> Path:
+    try:
+        return fornax_home() / "kernels"
+    except RuntimeError as exc:  # Path.home(): neither HOME nor a passwd entry
+        raise KernelsUnavailable("no home directory for the cache (HOME unset): set FORNAX_HOME") from exc
+
+
+def _compile(compiler: str, out: str) -> None:
+    sources = sorted(KERNEL_DIR.glob("*.c"))
+    cmd = [compiler, *FLAGS, *map(str, sources), "-o", out, "-lm"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    except subprocess.CalledProcessError as exc:
+        raise KernelsUnavailable(f"the build failed: {_one_line(exc.stderr or '')}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise KernelsUnavailable("the build took more than 120 s") from exc
+    except OSError as exc:  # the compiler vanished or is not executable
+        raise KernelsUnavailable(f"cannot run {compiler}: {exc.strerror}") from exc
+
+
+def _unwritable(out_dir: Path, exc: OSError) -> KernelsUnavailable:
+    hint = "set FORNAX_HOME to a writable directory"
+    return KernelsUnavailable(f"cannot write to {out_dir} ({exc.strerror or exc}): {hint}")
+
+
+def _build() -> Path:
+    """The library for the current sources, flags and CPU: the cached one if its record
+    vouches for it (no compiler needed then), else a fresh build. Raises KernelsUnavailable
+    saying why there is none."""
+    try:
+        digest = _source_digest()
+    except OSError as exc:  # an installation missing or hiding its kernels/ directory
+        raise KernelsUnavailable(f"cannot read the kernel sources ({exc})") from exc
+    out_dir = _cache_dir()
+    target = out_dir / f"fornax_kernels-{digest[:16]}.so"
+    if _cached(target, digest):
+        return target
+    compiler = _find_compiler()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # Build to a temporary name and rename: concurrent processes never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+    except OSError as exc:  # read-only, full, or a file where a directory should be
+        raise _unwritable(out_dir, exc) from exc
+    try:
+        _compile(compiler, tmp)
+        record = _record(digest, Path(tmp))
         os.replace(tmp, target)
+        # Written last: a library without its record is rebuilt, never trusted. A process racing
+        # this one may replace the library before this record lands; the next process then
+        # finds them disagreeing and rebuilds, which costs a compile, never a wrong load.
+        _write_atomically(_record_path(target), record)
+    except OSError as exc:
+        raise _unwritable(out_dir, exc) from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
 
 
+def _check_range(name: str, t: torch.Tensor, bound: int) -> None:
+    """IndexError unless every entry of t is in [0, bound): C would read or write out of bounds."""
+    if t.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    if lo < 0 or hi >= bound:
+        raise IndexError(f"{name} out of range: entries in [{lo}, {hi}], allowed [0, {bound})")
+
+
+def _check_index_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> None:
+    """C reads `numel` entries of `dtype` from t's address: anything else is read as garbage."""
+    if t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
+    if numel is not None and t.numel() != numel:
+        raise IndexError(f"{name} has {t.numel()} entries for {numel} rows")
+
+
+def check_paged_indices(
+    block_tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    rows: int,
+    num_slots: int,
+    block_size: int,
+) -> None:
+    """The indices paged attention follows: row r reads block_tables[row_seq[r]][0 .. row_pos[r] //
+    block_size], and block b holds slots b * block_size .. + block_size - 1 of pools of num_slots
+    rows. Every entry of the tables is checked, the padding too (build_attention_metadata pads
+    with block 0), so a bad id is caught whichever row would read it."""
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+    _check_index_tensor("block_tables", block_tables, torch.int32)
+    _check_index_tensor("row_seq", row_seq, torch.int32, rows)
+    _check_index_tensor("row_pos", row_pos, torch.int32, rows)
+    _check_range("row_seq", row_seq, block_tables.shape[0])
+    _check_range("row_pos", row_pos, block_tables.shape[1] * block_size)
+    _check_range("block_tables", block_tables, num_slots // block_size)
+
+
+def check_slots(slots: torch.Tensor, rows: int, num_slots: int) -> None:
+    """The cache slots new K/V rows are written to: rows of them, each in [0, num_slots)."""
+    _check_index_tensor("slots", slots, torch.int64, rows)
+    _check_range("slots", slots, num_slots)
+
+
 class PagedAttentionKernel:
     """ctypes wrapper; all pointer arguments are checked tensors, so a call cannot read out of bounds
-    unless the block tables themselves are wrong (they come from the KV manager)."""
+    unless the indices themselves are wrong (they come from the KV manager; FORNAX_DEBUG=1
+    checks their range before each call)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         # (query dtype, int8 pools?) -> entry point
@@ -111,6 +277,8 @@ class PagedAttentionKernel:
         for t in (block_tables, row_seq, row_pos):
             if t.dtype != torch.int32 or not t.is_contiguous():
                 raise ValueError("paged attention kernel: index tensors must be contiguous int32")
+        if DEBUG_CHECKS:
+            check_paged_indices(block_tables, row_seq, row_pos, rows, cache.k.shape[0], block_size)
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
         status = self._fns[(q.dtype, cache.quantized)](
             q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), data_ptr_or_none(cache.k_scale),
@@ -130,6 +298,10 @@ class PagedAttentionKernel:
             return False
         if any(x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != k.dtype for x in (k, v)):
             return False
+        if DEBUG_CHECKS:
+            check_slots(slots, k.shape[0], cache.k.shape[0])
+            if v.shape[0] != k.shape[0]:
+                raise IndexError(f"int8 K/V write: {k.shape[0]} K rows but {v.shape[0]} V rows")
         for x, pool, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
             self._store_i8[k.dtype](
                 x.data_ptr(), x.stride(0), x.shape[0], slots.data_ptr(), x.shape[1], x.shape[2], pool.data_ptr(),
@@ -365,6 +537,26 @@ class StepRowsDesc(ctypes.Structure):
     ]  # fmt: skip
 
 
+def step_rows(
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    rows: int,
+    *,
+    num_slots: int,
+    block_size: int,
+) -> StepRowsDesc:
+    """The C step's rows (raw pointers: the caller keeps the tensors alive for the call). With
+    debug checks on, their indices are range-checked here, the last place that knows the bounds."""
+    if DEBUG_CHECKS:
+        check_slots(slots, rows, num_slots)
+        check_paged_indices(block_tables, row_seq, row_pos, rows, num_slots, block_size)
+    return StepRowsDesc(
+        slots.data_ptr(), block_tables.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows, block_tables.shape[1]
+    )
+
+
 class DecodeStepKernel:
     """kernels/decode_step.c: every layer of a small step in one call. The descriptors hold raw
     pointers; fornax/models/native_step.py builds them and keeps their tensors alive."""
@@ -394,20 +586,27 @@ class DecodeStepKernel:
         return out
 
 
-@functools.cache
+_LIBRARY_LOCK = threading.Lock()
+
+
 def _library() -> ctypes.CDLL | None:
-    """Built and loaded once per process. Two threads racing here both build to temporary files
-    and rename atomically (_build), so a race costs a second compile, never a broken library."""
-    return _try_load()
+    """Built and loaded once per process; the lock makes that once even when threads race here,
+    so the warning of a failure is said once too. Processes racing each other both build to
+    temporary files and rename atomically (_build): a second compile, never a broken library."""
+    with _LIBRARY_LOCK:
+        return _library_once()
 
 
-def _try_load() -> ctypes.CDLL | None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
+@functools.cache
+def _library_once() -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError):
+        path = _build()
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as exc:  # e.g. a runtime library (libgomp) missing at load time
+            raise KernelsUnavailable(f"cannot load {path.name}: {_one_line(str(exc))}") from exc
+    except KernelsUnavailable as exc:
+        logger.warning("native kernels unavailable (%s); using torch ops", exc)
         return None
 
 

@@ -29,8 +29,8 @@ from fornax.layers.native import (
     DecoderModelDesc,
     DecodeStepKernel,
     QLinearDesc,
-    StepRowsDesc,
     load_decode_step,
+    step_rows,
 )
 from fornax.layers.native import data_ptr_or_none as _ptr
 from fornax.models.llama import KVCache, LlamaForCausalLM
@@ -144,9 +144,9 @@ class NativeStep:
         desc = next(d for rows, d in self.tiers if input_ids.shape[0] <= rows)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
-        slots = meta.slot_mapping
-        rows = StepRowsDesc(
-            slots.data_ptr(), kr.block_tables.data_ptr(), kr.row_seq.data_ptr(), kr.row_pos.data_ptr(),
-            x.shape[0], kr.block_tables.shape[1],
+        kv = self._kv_cache
+        rows = step_rows(
+            meta.slot_mapping, kr.block_tables, kr.row_seq, kr.row_pos, x.shape[0],
+            num_slots=kv.num_blocks * kv.block_size, block_size=kv.block_size,
         )  # fmt: skip
         return self.kernel(desc, x, cos.contiguous(), sin.contiguous(), rows)
