@@ -88,8 +88,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use for the model (repeatable; default: the model argument)")
-    p.add_argument("--api-key", action="append", default=[], help="accepted key, optionally name:key (repeatable)")
-    p.add_argument("--api-key-file", default=None, help="file with one key (or name:key) per line")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="a user's key, optionally name:key (repeatable); users see only their own requests")
+    p.add_argument("--api-key-file", default=None, help="file with one user key (or name:key) per line")
+    _add_tenancy_args(p)
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=defaults.access_log)
     p.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
@@ -99,8 +101,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     for name, kind in [("max_queued_requests", int), ("max_body_bytes", int), ("max_n", int),
                        ("max_tokens_limit", int), ("max_stop_strings", int), ("max_stop_string_chars", int),
                        ("max_logit_bias", int), ("max_top_logprobs", int), ("max_messages", int),
-                       ("max_prompts", int)]:  # fmt: skip
+                       ("max_prompts", int), ("max_queued_sequences", int), ("max_request_tokens", int)]:  # fmt: skip
         limits.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
+    limits.add_argument("--privileged-key", action="append", default=[], metavar="NAME",
+                        help="key name that may send negative priorities (repeatable; admin keys may too)")
     engine = p.add_argument_group("engine")
     sched, cache = SchedulerConfig(), CacheConfig()
     engine.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
@@ -113,6 +117,39 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     _add_spec_args(p)
+
+
+def _add_tenancy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-key", action="append", default=[],
+                   help="an operator's key, name:key (repeatable; also FORNAX_ADMIN_KEY): everything a user key "
+                        "may do, plus /admin/* and every request in /v1/fornax/events and /live. With keys but "
+                        "no admin key, /admin/* answers 403 to all")  # fmt: skip
+    p.add_argument("--admin-key-file", default=None, help="file with one admin key (or name:key) per line")
+    p.add_argument("--prefix-cache-scope", default=None, choices=["global", "key"],
+                   help="key: a key's requests reuse only its own cached prompt blocks, so cached_tokens "
+                        "reveals nothing about other keys' prompts; global: all share one cache "
+                        "(default: key when any key is configured, else global)")  # fmt: skip
+    limits = p.add_argument_group("per-key rate limits (429 with Retry-After when exceeded; see /admin/usage)")
+    limits.add_argument("--key-limits", default=None, metavar="FILE",
+                        help='JSON: {"alice": {"requests_per_minute": 60, "tokens_per_minute": 20000}, '
+                             '"*": {...every other key...}}; a key\'s entry overrides the defaults field by '
+                             "field (null: unlimited)")  # fmt: skip
+    limits.add_argument("--rate-limit-rpm", type=int, default=None, metavar="N",
+                        help="default requests per minute for every key (over any 60 s window)")
+    limits.add_argument("--rate-limit-tpm", type=int, default=None, metavar="M",
+                        help="default tokens per minute for every key: a request reserves its prompt plus "
+                             "max_tokens per choice when admitted, corrected to the tokens used when it ends")  # fmt: skip
+
+
+def _tenancy_config(args: argparse.Namespace) -> dict:
+    """ServerConfig's role, cache-scope and rate-limit fields from the serve flags."""
+    from fornax.config import load_admin_keys, load_key_limits
+
+    return {
+        "admin_keys": load_admin_keys(args.admin_key, args.admin_key_file),
+        "prefix_cache_scope": args.prefix_cache_scope,
+        "rate_limits": load_key_limits(args.key_limits, args.rate_limit_rpm, args.rate_limit_tpm),
+    }
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -215,13 +252,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig(
         host=args.host, port=args.port,
         served_model_names=tuple(args.served_model_name or [model]),
-        api_keys=load_api_keys(args.api_key, args.api_key_file),
+        api_keys=load_api_keys(args.api_key, args.api_key_file), **_tenancy_config(args),
         public_metrics=args.public_metrics, access_log=args.access_log, log_level=args.log_level,
         shutdown_timeout_s=args.shutdown_timeout,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit, max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars, max_logit_bias=args.max_logit_bias,
         max_top_logprobs=args.max_top_logprobs, max_messages=args.max_messages, max_prompts=args.max_prompts,
+        max_queued_sequences=args.max_queued_sequences, max_request_tokens=args.max_request_tokens,
+        privileged_keys=tuple(args.privileged_key),
     )  # fmt: skip
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,

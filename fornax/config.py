@@ -25,6 +25,17 @@ def fornax_home() -> Path:
     return Path(os.environ.get("FORNAX_HOME") or Path.home() / ".cache" / "fornax").expanduser()
 
 
+def debug_checks_enabled() -> bool:
+    """FORNAX_DEBUG=1: checks too costly for every step by default, such as the range of the
+    indices handed to the native kernels (layers/native.py)."""
+    return os.environ.get("FORNAX_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_c_compiler() -> str | None:
+    """CC: the C compiler that builds the native kernels (None: cc or gcc on PATH)."""
+    return os.environ.get("CC") or None
+
+
 def env_api_key() -> str | None:
     return os.environ.get("FORNAX_API_KEY") or None
 
@@ -135,6 +146,10 @@ SMALL_STEP_MAX_ROWS_W8A8 = 1
 # the same throughput (benchmarks/serve_streams.sh, 2026-12-03). A 2,000-token prompt then
 # prefills in four chunks, 10-15% slower than in one.
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
+
+# The range of a request's `priority` (lower runs earlier; vLLM's convention). Bounded so a
+# priority means the same thing from every client; negative ones are for privileged keys.
+PRIORITY_RANGE = (-1000, 1000)
 
 SPEC_METHODS = ("ngram", "draft", "self")
 LARGE_STEP_METHODS = (None, "w8a8")
@@ -317,17 +332,33 @@ def env_api_key_file() -> str | None:
     return os.environ.get("FORNAX_API_KEY_FILE") or None
 
 
+def env_admin_key() -> str | None:
+    return os.environ.get("FORNAX_ADMIN_KEY") or None
+
+
+def env_admin_key_file() -> str | None:
+    return os.environ.get("FORNAX_ADMIN_KEY_FILE") or None
+
+
 def load_api_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None = None) -> tuple[tuple[str, str], ...]:
-    """(name, key) pairs from `--api-key` values, FORNAX_API_KEY and a key file.
+    """(name, key) pairs of user keys from `--api-key` values, FORNAX_API_KEY and a key file.
 
     A key file holds one key per line, optionally `name:key`; blank lines and `#` comments are
     skipped. Keys given without a name are called `key-<n>` (n counts from 1 in order given), so
     per-key usage never shows a secret.
     """
-    raw: list[str] = list(keys)
-    if env_api_key():
-        raw.append(env_api_key() or "")
-    path = key_file or env_api_key_file()
+    return _load_keys(list(keys), env_api_key(), key_file or env_api_key_file(), "key")
+
+
+def load_admin_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None = None) -> tuple[tuple[str, str], ...]:
+    """Operator keys, as `load_api_keys`, from `--admin-key`, FORNAX_ADMIN_KEY and
+    `--admin-key-file` (or FORNAX_ADMIN_KEY_FILE); unnamed ones are called `admin-<n>`."""
+    return _load_keys(list(keys), env_admin_key(), key_file or env_admin_key_file(), "admin")
+
+
+def _load_keys(raw: list[str], env_key: str | None, path: str | None, prefix: str) -> tuple[tuple[str, str], ...]:
+    if env_key:
+        raw.append(env_key)
     if path:
         try:
             text = Path(path).expanduser().read_text()
@@ -337,11 +368,71 @@ def load_api_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None =
     pairs: list[tuple[str, str]] = []
     for n, entry in enumerate(raw, start=1):
         name, sep, key = entry.partition(":")
-        name, key = (name.strip(), key.strip()) if sep and name.strip() and key.strip() else (f"key-{n}", entry)
+        name, key = (name.strip(), key.strip()) if sep and name.strip() and key.strip() else (f"{prefix}-{n}", entry)
         if not key:
             raise ConfigError("an API key must not be empty")
         pairs.append((name, key))
     return tuple(pairs)
+
+
+PREFIX_CACHE_SCOPES = ("global", "key")
+RATE_LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """One key's budget over any 60 s window (None: unlimited). Tokens are prompt tokens plus
+    the completion tokens the request may produce (server/rate_limit.py says how they count)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in RATE_LIMIT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.requests_per_minute is None and self.tokens_per_minute is None
+
+
+def load_key_limits(path: str | None = None, requests_per_minute: int | None = None,
+                    tokens_per_minute: int | None = None) -> tuple[tuple[str, RateLimit], ...]:  # fmt: skip
+    """Per-key rate limits from `--key-limits FILE` and the `--rate-limit-rpm/-tpm` defaults.
+
+    The file is JSON: {"alice": {"requests_per_minute": 60, "tokens_per_minute": 20000}, "*": {...}}.
+    "*" is the default of every key the file does not name; the flags override the file's "*"
+    (the command line is the more specific source); a key's own entry overrides both, field by
+    field (null: unlimited). Returns (name, limit) pairs, "*" included, or () without any limit.
+    """
+    entries = _read_key_limits(path) if path else {}
+    default = dict(entries.pop("*", {}))
+    for name, flag in zip(RATE_LIMIT_FIELDS, (requests_per_minute, tokens_per_minute)):
+        if flag is not None:
+            default[name] = flag
+    out = [("*", RateLimit(**default))]
+    out += [(name, RateLimit(**(default | fields_))) for name, fields_ in entries.items()]
+    return () if all(limit.unlimited for _, limit in out) else tuple(out)
+
+
+def _read_key_limits(path: str) -> dict[str, dict[str, int | None]]:
+    import json
+
+    try:
+        value = json.loads(Path(path).expanduser().read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the key limits file {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"the key limits file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ConfigError(f"the key limits file {path} must map key names to objects")
+    for name, fields_ in value.items():
+        unknown = sorted(set(fields_) - set(RATE_LIMIT_FIELDS))
+        if unknown:
+            raise ConfigError(f"key limits for {name!r}: unknown field(s) {unknown}; known: {list(RATE_LIMIT_FIELDS)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -352,12 +443,27 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)  # the first is the name in responses
     api_keys: tuple[tuple[str, str], ...] = ()  # (name, key); empty: the server is open
+    # Operators' keys: everything a user key may do, plus /admin/*. With keys configured and
+    # none of these, /admin/* answers 403 to everyone (server/tenancy.py).
+    admin_keys: tuple[tuple[str, str], ...] = ()
+    # Prefix-cache sharing: "global" (every request may hit every cached prefix) or "key"
+    # (a key's requests only hit its own). None: "key" when any key is configured.
+    prefix_cache_scope: str | None = None
+    # Requests and tokens per minute by key name; "*": every key not named. (): no limits.
+    rate_limits: tuple[tuple[str, RateLimit], ...] = ()
     public_metrics: bool = False
     access_log: bool = True
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
     # Per-request bounds: each is a flag of `fornax serve`.
     max_queued_requests: int = 256  # waiting requests beyond this get 429
+    # Admission counts work, not HTTP requests: 64 prompts x n=16 queue 1,024 sequences, and
+    # cost sum over prompts of (prompt tokens + n * max_tokens) against the per-request budget.
+    max_queued_sequences: int = 1024
+    max_request_tokens: int = 1 << 20
+    # Key names that may send negative priorities (scheduled ahead of everyone's default 0).
+    # Admin keys may too, and anyone when the server has no keys at all (no tenants to protect).
+    privileged_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 << 20
     max_n: int = 16
     max_tokens_limit: int | None = None  # None: up to the context; larger requests are clamped
@@ -377,7 +483,8 @@ class ServerConfig:
         for name in ("max_queued_requests", "max_stop_strings", "max_logit_bias"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
-        for name in ("max_body_bytes", "max_n", "max_stop_string_chars", "max_messages", "max_prompts"):
+        for name in ("max_body_bytes", "max_n", "max_stop_string_chars", "max_messages", "max_prompts",
+                     "max_queued_sequences", "max_request_tokens"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -386,3 +493,23 @@ class ServerConfig:
             raise ConfigError("max_top_logprobs must be in [0, 20] (the engine's bound)")
         if self.shutdown_timeout_s < 0:
             raise ConfigError("shutdown_timeout_s must be >= 0")
+        self._check_tenancy()
+
+    def _check_tenancy(self) -> None:
+        """Roles, cache scope and rate limits agree with the keys (and resolve the scope)."""
+        user_names, admin_names = {n for n, _ in self.api_keys}, {n for n, _ in self.admin_keys}
+        both = sorted(user_names & admin_names)
+        if both:  # one name is one tenant with one role: usage and limits are counted by name
+            raise ConfigError(f"key name(s) {both} are given both as a user key and as an admin key")
+        if {k for _, k in self.api_keys} & {k for _, k in self.admin_keys}:
+            raise ConfigError("the same secret is given both as a user key and as an admin key")
+        if self.prefix_cache_scope is None:
+            scope = "key" if self.api_keys or self.admin_keys else "global"
+            object.__setattr__(self, "prefix_cache_scope", scope)  # still being built
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ConfigError(f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+                              f"got {self.prefix_cache_scope!r}")  # fmt: skip
+        known = (user_names | admin_names) or {"anonymous"}  # no keys: every client is "anonymous"
+        unknown = sorted({n for n, _ in self.rate_limits} - known - {"*"})
+        if unknown:
+            raise ConfigError(f"rate limits name unknown key(s) {unknown}; configured: {sorted(known)}")

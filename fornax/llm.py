@@ -183,7 +183,7 @@ def _accumulate(result: RequestOutput, out: EngineOutput) -> None:
         result.prompt_logprobs = [None, *out.prompt_logprobs]
     result.num_cached_tokens = out.num_cached_tokens
     if out.finished:
-        comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+        comp.finish_reason, comp.stop_reason, comp.error = out.finish_reason, out.stop_reason, out.error
         if out.timings:
             result.timings = out.timings
         result.finished = all(c.finished for c in result.outputs)

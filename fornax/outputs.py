@@ -16,6 +16,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # the engine ended this sequence on an internal error (logged)
 
     @property
     def finished(self) -> bool:

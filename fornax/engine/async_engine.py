@@ -12,6 +12,7 @@ through a command queue, and outputs come back via `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from fornax.config import EngineConfig
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
+
+logger = logging.getLogger("fornax.engine")
 
 
 @dataclass
@@ -48,6 +51,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an unexpected error; no more requests can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this one request on an internal error; the engine itself serves on."""
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -63,6 +70,12 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self.listeners: list[StepListener] = []
         self.last_stats: StepStats | None = None
+        # Called once, in the engine thread, when the engine dies (the server turns /health
+        # 503 and exits non-zero so a supervisor restarts it).
+        self.on_dead: Callable[[BaseException], None] | None = None
+        # Guards dead_error against _submit: a command is either run by the engine thread or
+        # failed by it when it dies, never left waiting forever.
+        self._submit_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> AsyncEngine:
@@ -86,15 +99,17 @@ class AsyncEngine:
 
     # -- requests --
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Submit a request and yield its outputs; leaving the loop early aborts it."""
+        """Submit a request and yield its outputs; leaving the loop early aborts it.
+        `cache_salt` isolates its prefix-cache hits (EngineCore.add_request)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         stream: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
         done = Future()
-        self._submit("add", (request_id, prompt_token_ids, params, priority), done)
+        self._submit("add", (request_id, prompt_token_ids, params, priority, cache_salt), done)
         try:
             await asyncio.wrap_future(done)  # raises the core's ValueError for bad input
         except BaseException:
@@ -106,6 +121,8 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 if item.finished:
                     remaining -= 1
                 yield item
@@ -123,7 +140,12 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     def _submit(self, kind: str, payload: Any, done: Future | None) -> None:
-        self._commands.put((kind, payload, done))
+        with self._submit_lock:
+            if self.dead_error is not None:
+                if done is not None:
+                    done.set_exception(EngineDeadError(str(self.dead_error)))
+                return
+            self._commands.put((kind, payload, done))
         self._wake.set()
 
     # -- the engine thread --
@@ -139,9 +161,27 @@ class AsyncEngine:
                 outputs = self.core.step()
                 self._after_step(start, outputs)
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+            logger.critical("the engine loop failed and stopped; every request is failed", exc_info=exc)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every stream and every queued command at once, then tell the owner."""
+        error = EngineDeadError(f"engine stopped: {type(exc).__name__}: {exc}")
+        with self._submit_lock:
             self.dead_error = exc
-            self._fail_all(EngineDeadError(f"engine stopped: {type(exc).__name__}: {exc}"))
-            raise
+        while True:
+            try:
+                _, _, done = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if done is not None and not done.done():
+                done.set_exception(error)
+        self._fail_all(error)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:  # noqa: BLE001 - the engine is already dead; report and go
+                logger.exception("the engine's on_dead callback failed")
 
     def _drain_commands(self) -> None:
         while True:
@@ -180,8 +220,12 @@ class AsyncEngine:
             outputs=outputs,
         )
         self.last_stats = stats
-        for listener in self.listeners:
-            listener(stats)
+        for listener in list(self.listeners):
+            try:
+                listener(stats)
+            except Exception:  # noqa: BLE001 - an observer must never stop the engine
+                logger.exception("step listener %r failed and was detached", listener)
+                self.listeners.remove(listener)
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
@@ -200,4 +244,7 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put_nowait(exc)
 
-        self._loop.call_soon_threadsafe(fail)
+        try:
+            self._loop.call_soon_threadsafe(fail)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting

@@ -9,10 +9,13 @@ prompt's full blocks in the prefix cache and share them instead of recomputing t
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -28,6 +31,8 @@ from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
 from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
 from fornax.tokenizer import Tokenizer
+
+logger = logging.getLogger("fornax.engine")
 
 
 @dataclass
@@ -74,9 +79,13 @@ class EngineCore:
 
     # -- requests in and out --
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request (fanned out to params.n sequences). Raises ValueError on bad input."""
+        """Queue a request (fanned out to params.n sequences). Raises ValueError on bad input.
+
+        `cache_salt`: requests reuse each other's cached prompt blocks only if their salts are
+        equal (None is the shared, unsalted cache); the server salts by API key (tenancy.py)."""
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate_against_vocab(self.model_config.vocab_size)
@@ -89,7 +98,8 @@ class EngineCore:
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             req = Request(
-                child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len, priority
+                child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len, priority,
+                cache_salt=cache_salt,
             )
             children.append(req)
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
@@ -100,7 +110,7 @@ class EngineCore:
         if len(children) > 1:
             self.held[children[0].request_id] = children[1:]
         if self.event_tap is not None and self.events.active:
-            self.event_tap.on_add(self, request_id, prompt_token_ids, params)
+            self._to_tap(self.event_tap.on_add, request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sequence of a request, wherever it is; emits final 'abort' outputs."""
@@ -128,25 +138,30 @@ class EngineCore:
         self.last_step = (sched.num_batched_tokens, len(sched.scheduled))
         tap = self.event_tap if self.event_tap is not None and self.events.active else None
         if tap is not None:
-            tap.on_schedule(self, sched)
+            self._to_tap(tap.on_schedule, sched)
         if sched.is_empty:
             self.runner.execute(sched)  # still drops finished requests' RNG state
             if tap is not None:
-                tap.on_outputs(self, outputs)
+                self._to_tap(tap.on_outputs, outputs)
             return outputs
         result = self.runner.execute(sched)
         for request_id, entries in result.prompt_logprobs.items():
             self.seqs[request_id].prompt_logprobs.extend(entries)
         num_before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         for req in self.scheduler.update_from_output(sched, result):
-            tokens, logprobs = self._detokenize(req, num_before[req.request_id], result)
-            outputs.append(self._output(req, tokens, logprobs))
+            if req.request_id not in self.seqs:
+                continue  # a sibling failed earlier in this loop and took the request down
+            try:
+                tokens, logprobs = self._detokenize(req, num_before[req.request_id], result)
+                outputs.append(self._output(req, tokens, logprobs))
+            except Exception as exc:  # noqa: BLE001 - one request's fault ends that request only
+                outputs.extend(self._fail_request(req.request_id, exc))
         if self.spec is not None:
             self.spec.observe(sched, result)
             self.spec.observe_step(sched, time.perf_counter() - start)  # what the draft budget plans on
         self._release_siblings()
         if tap is not None:
-            tap.on_outputs(self, outputs)
+            self._to_tap(tap.on_outputs, outputs)
         return outputs
 
     def _detokenize(
@@ -180,6 +195,38 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             break
         return tokens, logprobs
+
+    def _to_tap(self, method: Callable[..., None], *args: Any) -> None:
+        """Call the event tap; one that raises is logged once and detached, so live views stop
+        instead of the engine."""
+        try:
+            method(self, *args)
+        except Exception:  # noqa: BLE001 - an observer must never stop serving
+            logger.exception("the event tap failed and was detached: live events stop")
+            self.event_tap = None
+
+    def _fail_request(self, child_id: str, exc: Exception) -> list[EngineOutput]:
+        """End every sequence of the request that `child_id` belongs to on an internal error.
+
+        Its KV blocks are freed through the scheduler's one free path; each sequence gets a
+        final output carrying the error, built here rather than by `_output` (which may be what
+        failed). The rest of the batch is untouched, so it decodes exactly as it would have.
+        """
+        seq = self.seqs.get(child_id)
+        parent_id = seq.parent_id if seq is not None else child_id
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("request %s failed and was ended: %s", parent_id, message, exc_info=exc)
+        outputs = []
+        for cid in self.children.pop(parent_id, [child_id]):
+            req = self.scheduler.get_request(cid)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            self.held.pop(cid, None)  # siblings never admitted hold no blocks
+            sibling = self.seqs.pop(cid, None)
+            index = sibling.index if sibling is not None else 0
+            outputs.append(EngineOutput(request_id=parent_id, index=index, new_token_ids=[], new_text="",
+                                        finished=True, finish_reason="abort", error=message))  # fmt: skip
+        return outputs
 
     def _release_siblings(self) -> None:
         for leader_id in list(self.held):

@@ -93,3 +93,6 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timings: dict[str, float] | None = None  # set when finished: queue, ttft, prefill, decode, e2e (s)
+    # Set when the engine failed this request on an internal error (it is finished, its KV
+    # freed): the message for the log. The caller answers 500; other requests go on.
+    error: str | None = None

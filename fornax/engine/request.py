@@ -211,6 +211,7 @@ class Request:
         max_model_len: int | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise SamplingParamsError("prompt", "the prompt must contain at least one token")
@@ -221,6 +222,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.priority = priority  # lower value is served first (vLLM's convention)
+        # Mixed into the first block's hash (kv/block_pool.py salted_root): requests with
+        # different salts never share cached blocks. None: the shared, unsalted chain.
+        self.cache_salt = cache_salt
         self.times = RequestTimes()
         if arrival_time is not None:
             self.times.arrival = arrival_time

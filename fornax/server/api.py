@@ -18,14 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from fornax import __version__
-from fornax.engine.async_engine import AsyncEngine, EngineDeadError
+from fornax.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from fornax.engine.request import SamplingParams
-from fornax.server.auth import key_name
+from fornax.server.admission import admit
+from fornax.server.auth import key_name, key_role
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.generation import ClientGone, Generation, unless_disconnected
 from fornax.server.limits import (
-    build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_token_ids,
-    num_logprobs, parse_model, read_json_body, resolve_max_tokens,
+    build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_text_fits,
+    check_token_count, check_token_ids, message_texts,
+    num_logprobs, parse_model, read_json_body, reject_unimplemented, resolve_max_tokens,
 )  # fmt: skip
 from fornax.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
@@ -67,13 +69,6 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return model
 
 
-def _admit(state: ServerState) -> None:
-    if state.num_queued >= state.config.max_queued_requests:
-        state.num_rejected_queue_full += 1
-        raise ApiError(429, "too many requests are waiting; retry later", code="queue_full",
-                       headers={"Retry-After": str(state.config.retry_after_s)})  # fmt: skip
-
-
 # ---- health and metadata ---------------------------------------------------------------------------
 
 
@@ -82,10 +77,13 @@ async def health(request: Request) -> Response:
     state = _state(request)
     if state.ready:
         return JSONResponse({"status": "ok"})
-    status = "draining" if state.draining else "error" if state.load_error else "loading"
-    message = {"draining": "the server is shutting down", "loading": "the model is still loading"}.get(
-        status, f"the model failed to load: {state.load_error}"
-    )
+    if state.engine_error is not None:  # before draining: a dead engine drains on its way out
+        status, message = "engine_dead", f"the engine has stopped: {state.engine_error}"
+    else:
+        status = "draining" if state.draining else "error" if state.load_error else "loading"
+        message = {"draining": "the server is shutting down", "loading": "the model is still loading"}.get(
+            status, f"the model failed to load: {state.load_error}"
+        )
     return ApiError(503, message, code=status, headers={"Retry-After": "1"}).response()
 
 
@@ -111,6 +109,7 @@ async def chat_completions(request: Request) -> Response:
     state, engine, req, model, k = await _parse_generation_request(request, ChatCompletionRequest)
     vocab = engine.model_config.vocab_size
     messages = check_messages(req.messages, state.config)
+    check_text_fits(message_texts(messages), engine.max_model_len, "messages")
     try:
         ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                                       add_generation_prompt=True, tokenize=True)  # fmt: skip
@@ -137,12 +136,11 @@ async def completions(request: Request) -> Response:
     vocab = engine.model_config.vocab_size
     prompts = check_prompts(req.prompt, state.config)
     texts = [p for p in prompts if isinstance(p, str)]
+    for text in texts:
+        check_text_fits([text], engine.max_model_len, "prompt")
     encoded = iter(await asyncio.to_thread(engine.tokenizer.encode_batch, texts) if texts else [])
     prompt_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
-    for ids in prompt_ids:
-        check_token_ids(ids, vocab, "prompt")
-        if not ids:
-            raise bad_request("the prompt must contain at least one token", param="prompt")
+    await asyncio.to_thread(_check_prompt_ids, prompt_ids, vocab)  # up to 4 MiB of ids: off the loop
     longest = max(prompt_ids, key=len)
     max_tokens = resolve_max_tokens(req.max_tokens, len(longest), engine.max_model_len, state.config,
                                     "max_tokens")  # fmt: skip
@@ -158,6 +156,13 @@ async def completions(request: Request) -> Response:
     return _json(completion(gen, model, k, text, echo))
 
 
+def _check_prompt_ids(prompt_ids: list[list[int]], vocab: int) -> None:
+    for ids in prompt_ids:
+        check_token_ids(ids, vocab, "prompt")
+        if not ids:
+            raise bad_request("the prompt must contain at least one token", param="prompt")
+
+
 async def _parse_generation_request(
     request: Request, model_cls: type[_Req]
 ) -> tuple[ServerState, AsyncEngine, _Req, str, int]:
@@ -165,6 +170,7 @@ async def _parse_generation_request(
     the sampling fields. Returns (state, engine, parsed request, served model name, top logprobs)."""
     state, engine, req, model = await _parse_request(request, model_cls)
     check_sampling_fields(req, state.config, engine.model_config.vocab_size)
+    request.state.cache_salt = req.cache_salt  # for _generation: the tenant's salt joins it
     return state, engine, req, model, num_logprobs(req, state.config)
 
 
@@ -173,7 +179,10 @@ async def _parse_request(request: Request, model_cls: type[_M]) -> tuple[ServerS
     and a served model name. Returns (state, engine, parsed request, model name)."""
     state = _state(request)
     engine = _engine(state)
-    req = parse_model(model_cls, await read_json_body(request, state.config.max_body_bytes))
+    body = await read_json_body(request, state.config.max_body_bytes)
+    if model_cls in (ChatCompletionRequest, CompletionRequest):
+        reject_unimplemented(body)
+    req = await asyncio.to_thread(parse_model, model_cls, body)  # ~20 ms for 4 MiB: off the loop
     return state, engine, req, _check_model(state, req.model)
 
 
@@ -181,9 +190,13 @@ def _generation(
     state: ServerState, request: Request, prefix: str, endpoint: str, prompts: list[list[int]],
     params: SamplingParams, priority: int, stream: bool,
 ) -> Generation:  # fmt: skip
-    _admit(state)
+    key = key_name(request.state)
+    admit(state, prompts, params, priority, key, key_role(request.state))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    return Generation(state, request_id, endpoint, key_name(request.state), prompts, params, priority, stream)
+    tenancy = state.tenancy
+    tenancy.admit(key, request_id, prompts, params, _engine(state).max_model_len)  # per-key limits: 429
+    salt = tenancy.cache_salt(key, getattr(request.state, "cache_salt", None))
+    return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, cache_salt=salt)
 
 
 async def _run(request: Request, gen: Generation) -> None:
@@ -194,6 +207,9 @@ async def _run(request: Request, gen: Generation) -> None:
         raise _ClientClosed from None
     except EngineDeadError as exc:
         raise ApiError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+    except RequestFailedError:  # logged with its traceback by the engine; the details stay there
+        raise ApiError(500, "internal error while generating this request; it was ended, and the "
+                       "server goes on serving", code="internal_error") from None
     except ValueError as exc:  # the engine refused the request (e.g. the KV cache is too small for it)
         raise bad_request(str(exc)) from None
 
@@ -231,24 +247,29 @@ async def tokenize(request: Request) -> dict[str, Any]:
     state, engine, req, _ = await _parse_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    max_len = engine.max_model_len
     try:
         if req.messages is not None:
             messages = check_messages(req.messages, state.config)
+            check_text_fits(message_texts(messages), max_len, "messages")
             ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                                           add_generation_prompt=req.add_generation_prompt, tokenize=True)  # fmt: skip
         else:
             assert req.prompt is not None
+            check_text_fits([req.prompt], max_len, "prompt")
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    check_token_count(ids, max_len, "messages" if req.messages is not None else "prompt")
+    return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
     _, engine, req, _ = await _parse_request(request, DetokenizeRequest)
+    check_token_count(req.tokens, engine.max_model_len, "tokens")
     check_token_ids(req.tokens, engine.model_config.vocab_size, "tokens")
-    return {"prompt": engine.tokenizer.decode(req.tokens)}
+    return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
 
 
 # ---- admin -------------------------------------------------------------------------------------------
@@ -257,7 +278,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
 @router.get("/admin/usage")
 async def admin_usage(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "usage", "keys": {name: asdict(u) for name, u in state.usage.items()}}
+    return {"object": "usage", "keys": state.tenancy.usage({name: asdict(u) for name, u in state.usage.items()})}
 
 
 @router.get("/admin/state")

@@ -32,10 +32,14 @@ from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
 from fornax.server.state import ServerState
+from fornax.server.tenancy import log_tenancy
 from fornax.server.visualizer import router as visualizer_router
 
 logger = logging.getLogger("fornax.server")
 T = TypeVar("T")
+# A dead engine's process answers /health 503 this long before exiting (or the shutdown
+# timeout, if shorter): long enough for a probe or a router to see why it is going.
+DEAD_ENGINE_GRACE_S = 2.0
 
 
 def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
@@ -65,7 +69,7 @@ def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     app.include_router(router)
     app.include_router(metrics_router)
     app.include_router(visualizer_router)
-    app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys))
+    app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys, config.admin_keys))
     app.add_middleware(StatusCounter, metrics=metrics)  # added last: outermost, sees the gate's answers
     return app
 
@@ -88,10 +92,24 @@ async def _load_engine(app: FastAPI, state: ServerState) -> None:
         return
     engine.listeners.append(app.state.metrics.on_step)
     engine.listeners.append(app.state.live.on_step)
-    engine.start(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    engine.on_dead = lambda exc: loop.call_soon_threadsafe(_engine_died, app, state, exc)
+    engine.start(loop)
     state.engine = engine
     logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", state.engine_config.model,
                 time.monotonic() - start, engine.max_model_len, state.model_name)  # fmt: skip
+
+
+def _engine_died(app: FastAPI, state: ServerState, exc: BaseException) -> None:
+    """In the event loop, once the engine loop has failed: every request was already failed
+    and /health answers 503; exit non-zero so a supervisor (systemd, Kubernetes, Ray) starts
+    a fresh process. uvicorn lets the error answers being written finish first."""
+    grace = min(DEAD_ENGINE_GRACE_S, state.config.shutdown_timeout_s)
+    logger.critical("the engine has stopped (%s: %s): exiting with status 1 in %.1fs", type(exc).__name__,
+                    exc, grace)  # fmt: skip
+    app.state.exit_code = 1
+    if app.state.on_fatal is not None:
+        asyncio.get_running_loop().call_later(grace, app.state.on_fatal)
 
 
 async def _in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -181,12 +199,12 @@ class DrainingServer(uvicorn.Server):
 def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Run the server until it is stopped; the process exit code."""
     app = create_app(config, engine_config)
-    if not config.api_keys:
-        logger.warning("no API key configured: the server is open to anyone who can reach %s:%d "
-                       "(use --api-key, --api-key-file or FORNAX_API_KEY)", config.host, config.port)  # fmt: skip
+    log_tenancy(config, logger)
+    # Open connections get at most 5 s (or the shutdown timeout, if shorter) once uvicorn stops.
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
-        access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on",
+        access_log=config.access_log, timeout_graceful_shutdown=min(5, config.shutdown_timeout_s),
+        lifespan="on",
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.fornax)
 

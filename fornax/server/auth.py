@@ -3,8 +3,10 @@
 Default deny: with keys configured, every path needs `Authorization: Bearer <key>` except
 /health (and /metrics with --public-metrics). The key is compared against every configured
 key with hmac.compare_digest, without stopping at the first match, so timing does not tell
-which key (or how much of one) was right. The gate also answers 503 while the model loads
-or the server drains, so no route has to check.
+which key (or how much of one) was right. Each key has a role (server/tenancy.py): /admin/*
+answers 403 to a user key. The gate puts the key's name and role on the request scope's
+state (`key_name`, `key_role`). It also answers 503 while the model loads or the server
+drains, so no route has to check.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fornax.server.errors import ApiError
 from fornax.server.state import ServerState
+from fornax.server.tenancy import ADMIN, USER
 
 ANONYMOUS = "anonymous"
 # Paths that stay reachable while draining (to watch the drain) or loading.
@@ -28,23 +31,25 @@ _PUBLIC_PAGE_PREFIX = "/ui/"
 
 
 class KeyStore:
-    def __init__(self, keys: tuple[tuple[str, str], ...]) -> None:
-        self._keys = [(name, key.encode()) for name, key in keys]
+    def __init__(self, keys: tuple[tuple[str, str], ...], admin_keys: tuple[tuple[str, str], ...] = ()) -> None:
+        self._keys = [(name, key.encode(), USER) for name, key in keys]
+        self._keys += [(name, key.encode(), ADMIN) for name, key in admin_keys]
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def identify(self, authorization: str | None) -> str | None:
-        """The name of the key in an Authorization header, or None if it matches none."""
+    def identify(self, authorization: str | None) -> tuple[str, str] | None:
+        """(name, role) of the key in an Authorization header, or None if it matches none.
+        With no keys configured everyone is the anonymous admin (an open server)."""
         if not self._keys:
-            return ANONYMOUS
+            return ANONYMOUS, ADMIN
         scheme, _, token = (authorization or "").partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-        found: str | None = None
-        for name, key in self._keys:  # no early exit: compare against all keys
+        found: tuple[str, str] | None = None
+        for name, key, role in self._keys:  # no early exit: compare against all keys
             if hmac.compare_digest(presented, key) and found is None:
-                found = name
+                found = (name, role)
         return found if presented else None
 
 
@@ -61,13 +66,18 @@ class Gate:
             return
         path: str = scope.get("path", "")
         if path not in self.public and not path.startswith(_PUBLIC_PAGE_PREFIX):
-            name = self.keys.identify(_header(scope, b"authorization"))
-            if name is None:
+            who = self.keys.identify(_header(scope, b"authorization"))
+            if who is None:
                 err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
                 await _send(err, scope, receive, send)
                 return
-            scope.setdefault("state", {})["key_name"] = name
+            scope.setdefault("state", {}).update(key_name=who[0], key_role=who[1])
+            if (path == "/admin" or path.startswith("/admin/")) and who[1] != ADMIN:
+                err = ApiError(403, "this key may not use /admin/* (it needs an admin key: --admin-key)",
+                               code="permission_denied")  # fmt: skip
+                await _send(err, scope, receive, send)
+                return
             if not path.startswith(_ALWAYS_AVAILABLE) and not self.state.ready:
                 await _send(_unavailable(self.state), scope, receive, send)
                 return
@@ -75,7 +85,9 @@ class Gate:
 
 
 def _unavailable(state: ServerState) -> ApiError:
-    if state.draining:
+    if state.engine_error is not None:
+        message = f"the engine has stopped: {state.engine_error}"
+    elif state.draining:
         message = "the server is shutting down"
     elif state.load_error:
         message = f"the model failed to load: {state.load_error}"
@@ -99,3 +111,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def key_name(scope_state: Any) -> str:
     return getattr(scope_state, "key_name", ANONYMOUS)
+
+
+def key_role(scope_state: Any) -> str:
+    """The role the gate found; a route the gate did not check is treated as a user's."""
+    return getattr(scope_state, "key_role", USER)

@@ -76,6 +76,7 @@ class Generation:
         params: SamplingParams,
         priority: int,
         stream: bool,
+        cache_salt: str | None = None,
     ) -> None:
         assert state.engine is not None
         self.state, self.engine = state, state.engine
@@ -83,6 +84,10 @@ class Generation:
         self.prompts, self.params, self.priority = prompts, params, priority
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
         self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
+        self.cache_salt = cache_salt  # the engine's prefix-cache salt (tenancy.Tenancy.cache_salt)
+        # Owners are known before the engine hears of the requests, so even their `queued`
+        # event is shown to their key only.
+        state.tenancy.claim([request_id, *self.engine_ids], key_name)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,7 +103,7 @@ class Generation:
         return sum(self.choices[p * self.params.n].num_cached_tokens for p in range(len(self.prompts)))
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, EngineOutput]]:
-        entry = self.state.inflight[self.request_id] = Inflight(self.engine_ids)
+        entry = self.state.inflight[self.request_id] = Inflight(self.engine_ids, len(self.choices))
         try:
             async for prompt_index, out in self._merged():
                 entry.started = True
@@ -117,7 +122,8 @@ class Generation:
     async def _merged(self) -> AsyncIterator[tuple[int, EngineOutput]]:
         """All prompts' outputs in arrival order, tagged with the prompt's index."""
         if len(self.prompts) == 1:
-            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self.params, self.priority)
+            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self.params, self.priority,
+                                       cache_salt=self.cache_salt)  # fmt: skip
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     yield 0, out
@@ -126,7 +132,8 @@ class Generation:
 
         async def pump(p: int) -> None:
             try:
-                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self.params, self.priority)
+                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self.params, self.priority,
+                                           cache_salt=self.cache_salt)  # fmt: skip
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((p, out))

@@ -7,13 +7,14 @@ its own, looser, hard floor in engine/request.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from fornax.config import ServerConfig
+from fornax.config import PRIORITY_RANGE, ServerConfig
 from fornax.engine.request import SamplingParams, SamplingParamsError
 from fornax.server.errors import ApiError, bad_request, validation_error
 from fornax.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
@@ -27,7 +28,11 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "fun
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     """The body as a JSON object, bounded by Content-Length and by the bytes actually read
-    (so a chunked body without a length is bounded too)."""
+    (so a chunked body without a length is bounded too).
+
+    Decoding runs in a worker thread: a 4 MiB list of token ids takes ~70 ms to parse, which
+    on the event loop would stall every stream and /health for as long (the decoder lets the
+    loop run every few milliseconds from a thread)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -40,8 +45,12 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         if size > max_bytes:
             raise _too_large(max_bytes)
         chunks.append(chunk)
+    return await asyncio.to_thread(_decode_json_object, b"".join(chunks))
+
+
+def _decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        text = b"".join(chunks).decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8") from None
     try:
@@ -127,6 +136,30 @@ def check_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
     return prompts
 
 
+# Text past this many characters per token of context cannot fit whatever it encodes to
+# (BPE tokens of real text average 3-5 characters; 32 leaves room for runs of spaces), so it
+# is refused before the tokenizer spends time on it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_text_fits(texts: list[str], max_model_len: int, param: str) -> None:
+    """400 for text too long to fit the context in any encoding, before tokenizing it."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if sum(len(t) for t in texts) > limit:
+        raise bad_request(f"the text is longer than {limit} characters: more than this model's context of "
+                          f"{max_model_len} tokens could hold", param=param, code="context_length_exceeded")  # fmt: skip
+
+
+def check_token_count(ids: list[int], max_model_len: int, param: str) -> None:
+    if len(ids) > max_model_len:
+        raise bad_request(f"{len(ids)} tokens are more than this model's context of {max_model_len}",
+                          param=param, code="context_length_exceeded")  # fmt: skip
+
+
+def message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    return [m["content"] for m in messages if isinstance(m.get("content"), str)]
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
@@ -181,8 +214,10 @@ def check_sampling_fields(req: _SamplingFields, config: ServerConfig, vocab_size
     check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
     if req.logit_bias and len(req.logit_bias) > config.max_logit_bias:
         raise bad_request(f"logit_bias may have at most {config.max_logit_bias} entries", param="logit_bias")
-    if not -(2**31) <= req.priority < 2**31:
-        raise bad_request("'priority' must be a 32-bit integer", param="priority")
+    low, high = PRIORITY_RANGE
+    if not low <= req.priority <= high:
+        raise bad_request(f"'priority' must be in [{low}, {high}] (lower runs earlier), got {req.priority}",
+                          param="priority")  # fmt: skip
     if req.top_k is not None and not -1 <= req.top_k:
         raise bad_request(f"'top_k' must be -1, 0 or positive, got {req.top_k}", param="top_k")
     if req.stream_options is not None and not req.stream:
@@ -244,3 +279,36 @@ def build_sampling_params(
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
+
+
+# ---- fields that are not implemented --------------------------------------------------------------
+
+# Fields that change what an answer means: ignoring them (as unknown fields are) would return
+# free text where the caller asked for JSON, a tool call or the best of several samples. Each
+# maps to the values that ask for nothing beyond plain generation.
+_UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "structured_outputs": (None,),
+    "suffix": (None, ""),
+}
+_UNIMPLEMENTED_PREFIX = "guided_"  # vLLM's older structured-output fields
+
+
+def reject_unimplemented(body: dict[str, Any]) -> None:
+    """400 naming the first field whose value asks for something fornax cannot do yet."""
+    for name, harmless in _UNIMPLEMENTED.items():
+        if name in body and body[name] not in harmless:
+            raise bad_request(f"'{name}' is not supported by this server yet; the request was not run",
+                              param=name, code="unsupported_parameter")  # fmt: skip
+    for name, value in body.items():
+        if name.startswith(_UNIMPLEMENTED_PREFIX) and value is not None:
+            raise bad_request(f"'{name}' (guided decoding) is not supported by this server yet",
+                              param=name, code="unsupported_parameter")  # fmt: skip
+    best_of, n = body.get("best_of"), body.get("n", 1)
+    if best_of is not None and best_of != n and best_of != 1:
+        raise bad_request("'best_of' other than n is not supported: every sample is returned (use n)",
+                          param="best_of", code="unsupported_parameter")  # fmt: skip

@@ -78,6 +78,9 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     priority: int = 0
     num_speculative_tokens: int | None = None  # fornax: per-request draft tokens (0: no speculation)
+    # vLLM's: requests share cached prompt blocks only with requests of the same salt (and, with
+    # --prefix-cache-scope key, of the same API key). Bounded: it is hashed once per request.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from fornax import __version__
+from fornax.engine.async_engine import EngineDeadError, RequestFailedError
 from fornax.engine.outputs import TokenLogprobs
 from fornax.server.errors import error_body
 from fornax.server.generation import Choice, Generation
@@ -216,5 +217,10 @@ async def completion_stream(
 def _stream_error(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ValueError):
         return error_body(str(exc), "invalid_request_error")
+    if isinstance(exc, RequestFailedError):  # the engine logged it; this request alone ended
+        return error_body("internal error while generating this request; it was ended",
+                          "server_error", code="internal_error")  # fmt: skip
+    if isinstance(exc, EngineDeadError):
+        return error_body(f"the engine has stopped: {exc}", "service_unavailable", code="engine_dead")
     logger.exception("error while streaming")
     return error_body("internal server error", "server_error", code="internal_error")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fornax.config import EngineConfig, ServerConfig
+from fornax.server.tenancy import Tenancy
 
 if TYPE_CHECKING:
     from fornax.engine.async_engine import AsyncEngine
@@ -60,6 +61,7 @@ class Inflight:
     """A request between admission and its last output."""
 
     engine_ids: list[str]  # one engine request per prompt
+    num_seqs: int = 1  # prompts x n: what admission counts
     started: bool = False  # has produced output (no longer queued)
 
 
@@ -76,10 +78,22 @@ class ServerState:
     num_rejected_queue_full: int = 0
     usage: dict[str, KeyUsage] = field(default_factory=dict)
     record_listeners: list[Callable[[RequestRecord], None]] = field(default_factory=list)
+    tenancy: Tenancy = field(init=False)  # owners of requests, cache salts, rate limits
+
+    def __post_init__(self) -> None:
+        self.tenancy = Tenancy(self.config)
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine died (its loop failed), or None while it runs or loads."""
+        if self.engine is None or self.engine.dead_error is None:
+            return None
+        exc = self.engine.dead_error
+        return f"{type(exc).__name__}: {exc}"
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.dead_error is None
 
     @property
     def model_name(self) -> str:
@@ -90,12 +104,18 @@ class ServerState:
         """Requests accepted but not yet producing tokens (waiting for, or in, prefill)."""
         return sum(1 for entry in self.inflight.values() if not entry.started)
 
+    @property
+    def num_queued_sequences(self) -> int:
+        return sum(entry.num_seqs for entry in self.inflight.values() if not entry.started)
+
     def finish(self, record: RequestRecord) -> None:
         """Account one finished request: usage per key, abort count, log line, listeners."""
         usage = self.usage.setdefault(record.key_name, KeyUsage())
         usage.requests += 1
         usage.prompt_tokens += record.num_prompt_tokens
         usage.completion_tokens += record.num_completion_tokens
+        # The rate limiter reserved the worst case at admission: now it counts what was used.
+        self.tenancy.settle(record.request_id, record.num_prompt_tokens + record.num_completion_tokens)
         if record.aborted:
             self.num_aborted += 1
         if self.config.access_log:

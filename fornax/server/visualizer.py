@@ -8,6 +8,7 @@
     GET  /v1/fornax/live      SSE of server-wide snapshots (queues, KV cache, throughput, TTFT/ITL)
 
 The page talks HTTP only, like any client (DESIGN.md): it never sees engine objects.
+A user key sees only its own requests in both streams (server/tenancy.py); an admin key all.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fornax.engine.async_engine import AsyncEngine
 from fornax.metrics.live import LiveStats
 from fornax.server.api import sse_stream
+from fornax.server.auth import key_name, key_role
 from fornax.server.errors import ApiError, bad_request
-from fornax.server.limits import check_messages, parse_model, read_json_body
+from fornax.server.limits import (
+    check_messages, check_text_fits, check_token_count, message_texts, parse_model, read_json_body,
+)  # fmt: skip
 from fornax.server.protocol import TokenizeRequest
 from fornax.server.state import ServerState
+from fornax.server.tenancy import ADMIN, Viewer
 
 UI_DIR = Path(__file__).parent / "ui"
 # Installed by `make setup` (npm), not committed: the page works without it, minus charts.
@@ -44,6 +49,10 @@ router = APIRouter()
 
 def _state(request: Request) -> ServerState:
     return request.app.state.fornax
+
+
+def _viewer(request: Request) -> Viewer:
+    return Viewer(key_name(request.state), key_role(request.state) == ADMIN)
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -79,29 +88,38 @@ async def ui_file(request: Request, name: str = "index.html") -> Response:
 
 @router.post("/v1/fornax/tokens")
 async def tokens(request: Request) -> dict[str, Any]:
-    """Like /tokenize, plus per token: its text, its bytes, and whether the chat template added it."""
+    """Like /tokenize, plus per token: its text, its bytes, and whether the chat template added it.
+
+    Bounded like /tokenize (at most the context's tokens), and built in a worker thread: the
+    per-token entries are Python work proportional to the prompt."""
     state, engine = _state(request), _engine(request)
-    req = parse_model(TokenizeRequest, await read_json_body(request, state.config.max_body_bytes))
+    body = await read_json_body(request, state.config.max_body_bytes)
+    req = await asyncio.to_thread(parse_model, TokenizeRequest, body)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    messages = None if req.messages is None else check_messages(req.messages, state.config)
+    param = "prompt" if messages is None else "messages"
+    check_text_fits([req.prompt] if messages is None else message_texts(messages), engine.max_model_len, param)
+    try:
+        return await asyncio.to_thread(_token_table, engine, req, messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
+def _token_table(engine: AsyncEngine, req: TokenizeRequest, messages: list[dict[str, Any]] | None) -> dict[str, Any]:
     tok = engine.tokenizer
-    if req.messages is not None:
-        messages = check_messages(req.messages, state.config)
-        try:
-            text = await asyncio.to_thread(tok.apply_chat_template, messages,
-                                           add_generation_prompt=req.add_generation_prompt)  # fmt: skip
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+    if messages is not None:
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         assert isinstance(text, str)
-        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         # The same call apply_chat_template(tokenize=True) makes, but keeping character offsets.
-        enc = await asyncio.to_thread(tok.backend.encode, text, add_special_tokens=False)
+        enc = tok.backend.encode(text, add_special_tokens=False)
         ids, offsets = list(enc.ids), list(enc.offsets)
-        spans = _content_spans(text, contents)
+        spans = _content_spans(text, message_texts(messages))
     else:
         assert req.prompt is not None
-        ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        ids = tok.encode(req.prompt, req.add_special_tokens)
         offsets, spans = [], []
+    check_token_count(ids, engine.max_model_len, "prompt" if messages is None else "messages")
     special = set(tok.all_special_ids)
     out = []
     for i, token_id in enumerate(ids):
@@ -139,7 +157,11 @@ def _sse(payload: dict[str, Any]) -> str:
 
 @router.get("/v1/fornax/events")
 async def events(request: Request, request_id: str | None = None) -> Response:
-    state, engine = _state(request), _engine(request)
+    state, engine, viewer = _state(request), _engine(request), _viewer(request)
+    if request_id is not None and not state.tenancy.may_see(viewer, request_id):
+        # Not found, rather than forbidden: a user cannot tell others' ids from unknown ones.
+        raise ApiError(404, f"no request {request_id!r} of this key is known", param="request_id",
+                       code="not_found")  # fmt: skip
 
     async def stream() -> AsyncIterator[str]:
         # Subscribed here, not before the response: a generator that never starts would never
@@ -161,7 +183,10 @@ async def events(request: Request, request_id: str | None = None) -> Response:
                 if sub.dropped != dropped:
                     yield _sse({"type": "dropped", "count": sub.dropped - dropped})
                     dropped = sub.dropped
-                yield _sse(event.to_json())
+                payload = state.tenancy.event_for(viewer, event)
+                if payload is None:  # another key's request
+                    continue
+                yield _sse(payload)
                 if request_id is not None:
                     if event.type == "queued":
                         remaining = int(event.data.get("n", 1))
@@ -179,12 +204,14 @@ async def events(request: Request, request_id: str | None = None) -> Response:
 async def live(request: Request, interval: float = 1.0, once: bool = False) -> Response:
     state, engine, stats = _state(request), _engine(request), request.app.state.live
     interval = min(max(interval, 0.2), 10.0)
+    viewer = _viewer(request)
     if once:
-        return Response(json.dumps(await _snapshot(engine, stats)), media_type="application/json")
+        snapshot = state.tenancy.snapshot_for(viewer, await _snapshot(engine, stats))
+        return Response(json.dumps(snapshot), media_type="application/json")
 
     async def stream() -> AsyncIterator[str]:
         while not state.draining:
-            yield _sse(await _snapshot(engine, stats))
+            yield _sse(state.tenancy.snapshot_for(viewer, await _snapshot(engine, stats)))
             await asyncio.sleep(interval)
 
     return sse_stream(stream())

@@ -23,9 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RUN_CLI = "import sys\nfrom fornax.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
 class ServerProcess:
+    admin_key: str | None = None  # what /admin/* is called with (make_server sets it)
+
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:  # fmt: skip
+                 api_key: str | None = None, bootstrap: str | None = None) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -33,13 +38,21 @@ class ServerProcess:
         full_env = {**os.environ, "FORNAX_HOME": os.environ.get("FORNAX_HOME", "/tmp/fhome"), **(env or {})}
         if "FORNAX_API_KEY" not in (env or {}):
             full_env.pop("FORNAX_API_KEY", None)  # only the keys a test asks for
-        cmd = [sys.executable, "-m", "fornax.cli", "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
+        if "FORNAX_ADMIN_KEY" not in (env or {}):
+            full_env.pop("FORNAX_ADMIN_KEY", None)
+        # `bootstrap`: Python run in the server process before the CLI (fault-injection tests).
+        entry = ["-m", "fornax.cli"] if bootstrap is None else ["-c", f"{bootstrap}\n{_RUN_CLI}"]
+        cmd = [sys.executable, *entry, "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else self.headers
 
     def health_status(self) -> int | None:
         try:
@@ -62,7 +75,7 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def state(self) -> dict:
-        r = httpx.get(self.url + "/admin/state", headers=self.headers, timeout=10)
+        r = httpx.get(self.url + "/admin/state", headers=self.admin_headers, timeout=10)
         r.raise_for_status()
         return r.json()
 
@@ -101,15 +114,33 @@ class ServerProcess:
         return self.proc.returncode
 
 
+FIXTURE_ADMIN_KEY = "sk-fixture-admin"
+
+
+def _admin_key(args: list[str]) -> str | None:
+    """The key of the first `--admin-key [name:]key` among a server's arguments."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "--admin-key":
+            return value.partition(":")[2] or value
+    return None
+
+
 @pytest.fixture(scope="module")
 def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Start servers for one module; each is checked idle (KV usage 0) and stopped at the end."""
     started: list[ServerProcess] = []
 
     def make(args: list[str], env: dict[str, str] | None = None, api_key: str | None = None,
-             wait: bool = True) -> ServerProcess:  # fmt: skip
+             wait: bool = True, bootstrap: str | None = None) -> ServerProcess:  # fmt: skip
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(args, log, env, api_key)
+        # /admin/* needs an admin key once keys are on: a server with a user key also gets one
+        # (unless the test gives its own), so the fixture can check it idle.
+        admin_key = _admin_key(args)
+        if api_key is not None and admin_key is None:
+            admin_key = FIXTURE_ADMIN_KEY
+            args = [*args, "--admin-key", f"fixture-admin:{admin_key}"]
+        server = ServerProcess(args, log, env, api_key, bootstrap)
+        server.admin_key = admin_key
         started.append(server)
         if wait:
             server.wait_ready()

@@ -189,9 +189,10 @@ def test_models_version_and_usage_by_key_name(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
     assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
-    usage = httpx.get(server.url + "/admin/usage", headers=server.headers).json()["keys"]
+    assert httpx.get(server.url + "/admin/usage", headers=server.headers).status_code == 403  # a user key
+    usage = httpx.get(server.url + "/admin/usage", headers=server.admin_headers).json()["keys"]
     assert usage["alice"]["requests"] >= 5 and usage["alice"]["completion_tokens"] > 0
     bob = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test-bob", max_retries=0)
     bob.completions.create(model=MODEL, prompt="x", max_tokens=2)
-    usage = httpx.get(server.url + "/admin/usage", headers=server.headers).json()["keys"]
+    usage = httpx.get(server.url + "/admin/usage", headers=server.admin_headers).json()["keys"]
     assert usage["bob"]["requests"] == 1 and usage["bob"]["completion_tokens"] <= 2

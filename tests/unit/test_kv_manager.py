@@ -90,6 +90,29 @@ def test_prefix_hit_reuses_the_exact_blocks_and_shares_ref_counts() -> None:
     assert kv.usage == 0.0
 
 
+def test_cache_salt_isolates_prefix_hits() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(100, 108)) + [1]  # two full blocks and one token
+
+    def salted(rid: str, salt: str | None) -> Request:
+        return Request(rid, prompt, SamplingParams(max_tokens=100), cache_salt=salt)
+
+    alice = salted("a", "alice")
+    assert compute(kv, alice, 9) == [0, 1, 2]
+    assert kv.get_computed_blocks(salted("a2", "alice")) == ([0, 1], 8)  # same tenant: hits
+    assert kv.get_computed_blocks(salted("b", "bob")) == ([], 0)  # another tenant: none
+    assert kv.get_computed_blocks(req("g", prompt)) == ([], 0)  # nor unsalted requests
+    bob = salted("b", "bob")
+    assert compute(kv, bob, 9) == [3, 4, 5]  # computed again, in blocks of its own
+    assert len(kv.pool.cached) == 4  # the same tokens registered twice, once per salt
+    unsalted = req("g", prompt)
+    assert compute(kv, unsalted, 9) == [6, 7, 8]
+    assert kv.get_computed_blocks(req("g2", prompt)) == ([6, 7], 8)
+    assert kv.get_computed_blocks(salted("b2", "bob")) == ([3, 4], 8)
+    # An empty salt is a salt too: it does not fall back to the shared, unsalted chain.
+    assert kv.get_computed_blocks(salted("e", "")) == ([], 0)
+
+
 def test_a_hit_never_covers_the_last_token() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     tokens = list(range(12))

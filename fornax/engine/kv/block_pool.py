@@ -35,6 +35,24 @@ BlockHash = bytes
 ROOT_BLOCK_HASH: BlockHash = bytes(32)
 
 
+# Prefix of a salted root's message. Every block hash's message starts with a 32-byte parent
+# (ROOT_BLOCK_HASH's zeros or a digest), this one with these bytes instead: for a salted root
+# to equal a block hash, a digest would have to begin with them (or sha256 collide), which is
+# infeasible; distinct salts give distinct messages, so distinct roots.
+_SALT_DOMAIN = b"fornax-cache-salt\0"
+
+
+def salted_root(salt: str | None) -> BlockHash:
+    """Parent hash of a request's first block: ROOT_BLOCK_HASH, or a digest of the salt.
+
+    Two requests share cached blocks only if their whole hash chains match, and a chain starts
+    here: different salts (tenants, vLLM's `cache_salt`) never hit each other's blocks.
+    """
+    if salt is None:
+        return ROOT_BLOCK_HASH
+    return hashlib.sha256(_SALT_DOMAIN + salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of one full block: it identifies the block's tokens AND every token before it."""
     # array('I') packs each id as 4 unsigned bytes in C, far faster than struct per token;

@@ -11,7 +11,7 @@ scheduler calls it on finish, abort and preemption alike.
 
 from __future__ import annotations
 
-from fornax.engine.kv.block_pool import ROOT_BLOCK_HASH, BlockHash, BlockPool, hash_block_tokens
+from fornax.engine.kv.block_pool import BlockHash, BlockPool, hash_block_tokens, salted_root
 from fornax.engine.request import Request
 
 
@@ -71,7 +71,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(chain) <= index:
             i = len(chain)
-            parent = chain[-1] if chain else ROOT_BLOCK_HASH
+            parent = chain[-1] if chain else salted_root(request.cache_salt)
             chain.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return chain[index]
 
