@@ -31,6 +31,7 @@ from fornax.metrics.prometheus import Metrics
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
+from fornax.server.openapi import install_openapi
 from fornax.server.state import ServerState
 from fornax.server.tenancy import log_tenancy
 from fornax.server.visualizer import router as visualizer_router
@@ -55,8 +56,10 @@ def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             if state.engine is not None:
                 state.engine.stop()
 
+    # /openapi.json describes the API (server/openapi.py); no docs pages: they load from a CDN.
     app = FastAPI(title="fornax", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)  # fmt: skip
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")  # fmt: skip
+    install_openapi(app, config.served_model_names)
     app.state.fornax = state
     app.state.exit_code = 0
     app.state.on_fatal = None  # set by serve(): how a failed load stops the process

@@ -26,7 +26,7 @@ ANONYMOUS = "anonymous"
 _ALWAYS_AVAILABLE = ("/health", "/version", "/admin/")
 # The visualizer's static page: it holds no data, and a browser cannot send a Bearer header
 # when it navigates. Everything the page then fetches goes through the gate with its key.
-_PUBLIC_PAGES = ("/", "/ui")
+_PUBLIC_PAGES = ("/", "/ui", "/openapi.json")  # the API's description holds no data either
 _PUBLIC_PAGE_PREFIX = "/ui/"
 
 

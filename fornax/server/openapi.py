@@ -1,0 +1,72 @@
+"""The server's OpenAPI document at /openapi.json, with the request bodies it really takes.
+
+The routes read their bodies themselves (bounded reads, parsing off the event loop:
+server/limits.py), so FastAPI cannot see the body models. This adds them: each POST route's
+requestBody points at its pydantic model's JSON schema, so clients, generators and the
+schema-driven test (tests/server/test_openapi_campaign.py) know what to send. Bearer keys
+are declared too; /health is the one route without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from fornax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/v1/fornax/tokens": TokenizeRequest,
+}
+_REF = "#/components/schemas/{model}"
+# One working body per route: documentation for a reader, and the explicit case that a
+# schema-driven test sends before its generated ones.
+_EXAMPLES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "What is LLM inference?"}], "max_tokens": 4},
+    "/v1/completions": {"prompt": "LLM inference is", "max_tokens": 4},
+    "/tokenize": {"prompt": "LLM inference is"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+    "/v1/fornax/tokens": {"messages": [{"role": "user", "content": "What is LLM inference?"}]},
+}
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+def install_openapi(app: FastAPI, model_names: tuple[str, ...]) -> None:
+    """Make `app.openapi()` (served at app.openapi_url) describe the bodies and the auth;
+    `model` fields list the names this server serves (any other is a 404)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _build(app, model_names)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _build(app: FastAPI, model_names: tuple[str, ...]) -> dict[str, Any]:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        operation = schema["paths"].get(path, {}).get("post")
+        if operation is None:
+            continue
+        body = model.model_json_schema(ref_template=_REF)
+        if "model" in body.get("properties", {}):
+            body["properties"]["model"] = {"anyOf": [{"enum": list(model_names)}, {"type": "null"}]}
+        models.update(body.pop("$defs", {}))
+        models[model.__name__] = body
+        example = _EXAMPLES[path] | ({"model": model_names[0]} if "model" in body.get("properties", {}) else {})
+        media = {"schema": {"$ref": _REF.format(model=model.__name__)}, "example": example}
+        operation["requestBody"] = {"required": True, "content": {"application/json": media}}
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            operation["security"] = [] if path in PUBLIC_PATHS else [{"bearer": []}]
+    return schema
