@@ -1,4 +1,4 @@
-"""`fornax pull | generate | chat | serve | bench serve`.
+"""`fornax pull | generate | chat | serve | bench serve | router`.
 
 Errors a user can cause (a bad path, an unknown alias, a broken file, a bad parameter)
 print one line to stderr and exit 1, never a traceback.
@@ -73,10 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
-    _add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_serve_args(serve)
+    from fornax.cluster.cli import add_cluster_parser, add_replicas_arg
+
+    add_replicas_arg(serve)
+    add_cluster_parser(sub)
     from fornax.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from fornax.router.cli import add_router_parser
+
+    add_router_parser(sub)
     return parser
 
 
@@ -245,6 +253,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    if args.replicas > 1:  # N replicas on Ray behind the router (fornax/cluster)
+        from fornax.cluster.cli import serve_replicas
+
+        return serve_replicas(args)
     from fornax.config import load_api_keys, parse_memory_size
     from fornax.server.app import serve
 
@@ -285,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from fornax.bench.cli import run_bench
 
-    handlers = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": run_bench}
+    from fornax.cluster.cli import run_cluster
+    from fornax.router.cli import cmd_router
+
+    handlers = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": run_bench,
+                "cluster": run_cluster, "router": cmd_router}  # fmt: skip
     try:
         code = handlers[args.command](args)
     except (ModelSourceError, ModelLoadError, ConfigError, ValueError) as exc:

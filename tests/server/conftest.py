@@ -30,8 +30,9 @@ class ServerProcess:
     admin_key: str | None = None  # what /admin/* is called with (make_server sets it)
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None, bootstrap: str | None = None) -> None:  # fmt: skip
-        self.port = free_port()
+                 api_key: str | None = None, bootstrap: str | None = None,
+                 port: int | None = None) -> None:  # fmt: skip
+        self.port = port or free_port()  # a given port: a restart where the last one listened
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path

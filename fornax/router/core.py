@@ -1,0 +1,101 @@
+"""`Router`: everything one router holds (replica set, policy, HTTP clients, poller,
+metrics), started and stopped by the app's lifespan. Embedders (a Ray deployment, tests)
+can build one around their own ReplicaSet and change membership from any thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+
+from fornax.router.config import RouterConfig
+from fornax.router.metrics import RouterMetrics
+from fornax.router.policies import make_policy
+from fornax.router.poller import Poller
+from fornax.router.proxy import Proxy
+from fornax.router.replicas import Replica, ReplicaSet
+
+logger = logging.getLogger("fornax.router")
+KEEPALIVE_EXPIRY_S = 30.0
+POLL_CONNECTIONS = 64
+
+
+class Router:
+    def __init__(self, config: RouterConfig, replicas: ReplicaSet | None = None) -> None:
+        self.config = config
+        self.replicas = replicas if replicas is not None else ReplicaSet(config.unhealthy_after, config.healthy_after)
+        for spec in config.replicas:
+            self.replicas.add(spec.url, dict(spec.tags), source="static")
+        self.policy = make_policy(config)
+        self.metrics = RouterMetrics()
+        key = config.replica_api_key
+        self.replica_headers = {"authorization": f"Bearer {key}"} if key else {}
+        self._proxy: Proxy | None = None
+        self._poller: Poller | None = None
+        self._clients: list[httpx.AsyncClient] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.replicas.subscribe(self._on_membership)
+
+    @property
+    def proxy(self) -> Proxy:
+        if self._proxy is None:
+            raise RuntimeError("the router is not started")
+        return self._proxy
+
+    async def start(self) -> None:
+        cfg = self.config
+        # One pool for all proxied requests, kept alive between them. No pool timeout: when
+        # --max-connections are all busy a request waits for one (that is the router's own
+        # limit, not a replica's fault). trust_env=False: an HTTP(S)_PROXY meant for the
+        # outside world must not sit between the router and its replicas.
+        timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s, pool=None)
+        limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        # Health checks get their own small pool, so a saturated proxy pool cannot make
+        # every replica look dead.
+        poll_client = httpx.AsyncClient(timeout=cfg.poll_timeout_s, trust_env=False,
+                                        limits=httpx.Limits(max_connections=POLL_CONNECTIONS))  # fmt: skip
+        self._clients = [client, poll_client]
+        self._proxy = Proxy(cfg, self.replicas, self.policy, client, self.metrics)
+        self._poller = Poller(cfg, self.replicas, poll_client, self.metrics, self.replica_headers)
+        self._loop = asyncio.get_running_loop()
+        await self._poller.round()  # replicas already up are in rotation before the first request
+        self._spawn(self._poller.run())
+        logger.info("routing over %d replica(s) with the %s policy: %s", len(self.replicas), self.policy.name,
+                    ", ".join(self.replicas.urls()) or "(none yet)")  # fmt: skip
+
+    async def stop(self) -> None:
+        self._loop = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients:
+            await client.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_membership(self, event: str, replica: Replica) -> None:
+        """A ReplicaSet listener: runs in whatever thread changed the set."""
+        loop = self._loop
+        if loop is None:  # not started: the first poll round covers additions
+            if event == "remove":
+                self.policy.forget(replica.url)
+            return
+        try:
+            loop.call_soon_threadsafe(self._membership_changed, event, replica)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _membership_changed(self, event: str, replica: Replica) -> None:
+        if event == "add" and self._poller is not None:
+            self._spawn(self._poller.poll(replica))  # in rotation at once if it is up
+        elif event == "remove":
+            self.policy.forget(replica.url)
