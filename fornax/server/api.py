@@ -22,12 +22,13 @@ from fornax.engine.async_engine import AsyncEngine, EngineDeadError, RequestFail
 from fornax.engine.request import SamplingParams
 from fornax.server.admission import admit
 from fornax.server.auth import key_name, key_role
+from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.generation import ClientGone, Generation, unless_disconnected
 from fornax.server.limits import (
     build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_text_fits,
     check_token_count, check_token_ids, message_texts,
-    num_logprobs, parse_model, read_json_body, reject_unimplemented, resolve_max_tokens,
+    num_logprobs, resolve_max_tokens,
 )  # fmt: skip
 from fornax.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
@@ -179,10 +180,7 @@ async def _parse_request(request: Request, model_cls: type[_M]) -> tuple[ServerS
     and a served model name. Returns (state, engine, parsed request, model name)."""
     state = _state(request)
     engine = _engine(state)
-    body = await read_json_body(request, state.config.max_body_bytes)
-    if model_cls in (ChatCompletionRequest, CompletionRequest):
-        reject_unimplemented(body)
-    req = await asyncio.to_thread(parse_model, model_cls, body)  # ~20 ms for 4 MiB: off the loop
+    req = await parse_body(request, model_cls, state.config.max_body_bytes)  # big bodies: another process
     return state, engine, req, _check_model(state, req.model)
 
 

@@ -1,7 +1,7 @@
 """The server's OpenAPI document at /openapi.json, with the request bodies it really takes.
 
 The routes read their bodies themselves (bounded reads, parsing off the event loop:
-server/limits.py), so FastAPI cannot see the body models. This adds them: each POST route's
+server/body_parser.py), so FastAPI cannot see the body models. This adds them: each POST route's
 requestBody points at its pydantic model's JSON schema, so clients, generators and the
 schema-driven test (tests/server/test_openapi_campaign.py) know what to send. Bearer keys
 are declared too; /health is the one route without them.

@@ -27,10 +27,9 @@ from fornax.engine.async_engine import AsyncEngine
 from fornax.metrics.live import LiveStats
 from fornax.server.api import sse_stream
 from fornax.server.auth import key_name, key_role
+from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
-from fornax.server.limits import (
-    check_messages, check_text_fits, check_token_count, message_texts, parse_model, read_json_body,
-)  # fmt: skip
+from fornax.server.limits import check_messages, check_text_fits, check_token_count, message_texts
 from fornax.server.protocol import TokenizeRequest
 from fornax.server.state import ServerState
 from fornax.server.tenancy import ADMIN, Viewer
@@ -93,8 +92,7 @@ async def tokens(request: Request) -> dict[str, Any]:
     Bounded like /tokenize (at most the context's tokens), and built in a worker thread: the
     per-token entries are Python work proportional to the prompt."""
     state, engine = _state(request), _engine(request)
-    body = await read_json_body(request, state.config.max_body_bytes)
-    req = await asyncio.to_thread(parse_model, TokenizeRequest, body)
+    req = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     messages = None if req.messages is None else check_messages(req.messages, state.config)
