@@ -112,8 +112,12 @@ class AsyncEngine:
         self._submit("add", (request_id, prompt_token_ids, params, priority, cache_salt), done)
         try:
             await asyncio.wrap_future(done)  # raises the core's ValueError for bad input
-        except BaseException:
+        except BaseException as exc:
             self._streams.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                # The caller left (a client disconnect) while the add was queued or running:
+                # if it ran, nobody would read the request's outputs, so it must not go on.
+                self.abort(request_id)
             raise
         remaining = params.n
         try:
@@ -174,7 +178,7 @@ class AsyncEngine:
                 _, _, done = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if done is not None and not done.done():
+            if done is not None and done.set_running_or_notify_cancel():
                 done.set_exception(error)
         self._fail_all(error)
         if self.on_dead is not None:
@@ -189,6 +193,12 @@ class AsyncEngine:
                 kind, payload, done = self._commands.get_nowait()
             except queue.Empty:
                 return
+            # A caller whose task was cancelled has cancelled its future too (asyncio.wrap_future
+            # passes cancellation on): skip its command. Otherwise the future is marked running,
+            # so it can no longer be cancelled, and setting its result below cannot raise
+            # InvalidStateError, which here, in the engine loop, would stop the engine.
+            if done is not None and not done.set_running_or_notify_cancel():
+                continue
             try:
                 if kind == "add":
                     self.core.add_request(*payload)

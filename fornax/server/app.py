@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fornax import __version__
 from fornax.config import EngineConfig, ServerConfig
 from fornax.server.api import router
+from fornax.server import body_parser
 from fornax.server.auth import Gate, KeyStore
 from fornax.metrics.live import LiveStats
 from fornax.metrics.prometheus import Metrics
@@ -55,6 +56,7 @@ def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             loader.cancel()
             if state.engine is not None:
                 state.engine.stop()
+            body_parser.shutdown()  # kills its worker process, if one was started: it may be stuck
 
     # /openapi.json describes the API (server/openapi.py); no docs pages: they load from a CDN.
     app = FastAPI(title="fornax", version=__version__, lifespan=lifespan,
@@ -204,10 +206,12 @@ def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     app = create_app(config, engine_config)
     log_tenancy(config, logger)
     # Open connections get at most 5 s (or the shutdown timeout, if shorter) once uvicorn stops.
+    # h11 and asyncio named, not uvicorn's "auto": httptools and uvloop are installed for the
+    # router, and must not change the server's parser or event loop behind its back.
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
         access_log=config.access_log, timeout_graceful_shutdown=min(5, config.shutdown_timeout_s),
-        lifespan="on",
+        lifespan="on", http="h11", loop="asyncio",
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.fornax)
 
