@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -203,3 +206,104 @@ def test_event_endpoints(server):
     httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
                json={"prompt": "Hi", "max_tokens": 1})  # fmt: skip
     watcher.join(timeout=30)
+
+
+# ---- through a router --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def router(server, tmp_path):
+    """A real `fornax router` in front of the test server, known to it twice (by 127.0.0.1,
+    the page's origin, and by localhost, which the page takes for another replica), plus a
+    replica that never answers. Round-robin, so the page's two requests go one to each."""
+    from tests.server.conftest import free_port
+
+    port, dead = free_port(), free_port()
+    replicas = [server.url, server.url.replace("127.0.0.1", "localhost"), f"http://127.0.0.1:{dead}"]
+    cmd = [sys.executable, "-m", "fornax.router", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", "round-robin", "--admin-key", KEY, "--replica-poll-key", KEY,
+           "--poll-interval", "0.5", "--no-access-log"]  # fmt: skip
+    for url in replicas:
+        cmd += ["--replica", url]
+    log = (tmp_path / "router.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_replicas_in_rotation(url, replicas[:2], proc)
+        yield url, replicas
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+
+
+def _wait_replicas_in_rotation(url: str, expected: list[str], proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the router exited"
+        try:
+            data = httpx.get(url + "/router/replicas", headers=ADMIN, timeout=2).json()
+            if {r["url"] for r in data["data"] if r["healthy"] and r["ready"]} >= set(expected):
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the router never took the replicas into rotation"
+        time.sleep(0.1)
+
+
+def test_visualizer_through_a_router(server, browser, router):
+    router_url, (mine, other, dead) = router
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(server.url + "/ui/?router=" + router_url)
+    page.wait_for_selector("#auth:not([hidden])")
+    page.fill("#api-key", KEY)  # one key: the router's admin key, passed on to the replica
+    page.click("#auth-form button")
+    page.wait_for_selector("#conn[data-state='ok']")
+    assert page.is_visible("#router") and page.input_value("#router-url") == router_url
+
+    # The replica list, polled from /router/replicas: both names of the server in rotation, one out.
+    page.wait_for_function("document.querySelectorAll('#router-replicas tr').length === 3")
+    page.wait_for_function("!document.querySelector('#router-replicas tr[data-state=\"not ready\"]')")
+    states = dict(zip(_attrs(page, "#router-replicas tr", "e.dataset.url"),
+                      _attrs(page, "#router-replicas tr", "e.dataset.state"), strict=True))  # fmt: skip
+    assert states == {mine: "in rotation", other: "in rotation", dead: "out"}
+    assert "round-robin" in page.inner_text("#router-note")
+
+    # 1st request: the router picks this page's replica, so the stages follow it as without one.
+    _play(page)
+    assert page.inner_text("#route-replica") == mine + " (this page's replica)"
+    assert page.inner_text("#route-reason").startswith("round_robin")
+    assert page.inner_text("#route-attempts") == "1"
+    assert page.is_hidden("#route-elsewhere") and page.is_hidden("#error")
+    assert page.locator("#output-tokens .chip").count() >= 1 and page.locator("#blocks .block").count() >= 1
+    assert _attrs(page, "#router-replicas tr.me", "e.dataset.url") == [mine]
+    # The list keeps being polled: the router's in-flight count on this replica drops back to 0.
+    page.wait_for_function("document.querySelector('#router-replicas tr.me td:nth-child(3)')"
+                           ".textContent === '0'")  # fmt: skip
+    page.locator("#live").screenshot(path=str(SHOTS / "router.png"))
+
+    # 2nd request: another replica (as far as the page can tell) runs it. The text still streams
+    # through the router; the engine events are that replica's, and the page says where to look.
+    _play(page)
+    assert page.inner_text("#route-replica") == other
+    assert _shown_text(page) and page.is_hidden("#error")
+    assert page.locator("#output-tokens .chip").count() == 0
+    link = page.get_attribute("#route-elsewhere a", "href")
+    assert link == other + "/ui/?router=" + quote(router_url, safe="")
+    page.close()
+    deadline = time.monotonic() + 10  # the aborted firehose is closed too
+    while _live(server)["watchers"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live(server)["watchers"] == 0
+
+    # CORS is for the replicas' pages only: any other site's page gets nothing to read.
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    foreign = httpx.options(router_url + "/v1/chat/completions", timeout=10,
+                            headers={"Origin": "http://elsewhere.example", **preflight})  # fmt: skip
+    assert "access-control-allow-origin" not in foreign.headers
+    allowed = httpx.options(router_url + "/router/replicas", timeout=10,
+                            headers={"Origin": mine, **preflight})  # fmt: skip
+    assert allowed.status_code == 204 and allowed.headers["access-control-allow-origin"] == mine

@@ -3,11 +3,24 @@
 // request), /v1/chat/completions with stream:true (the text), /v1/fornax/live (the server).
 // Streams are read with fetch(), not EventSource, because EventSource cannot send the
 // Authorization header and an API key does not belong in a URL.
+//
+// With a router given (?router=URL, or the settings field), the chat request goes through that
+// `fornax router` instead, and the live panel shows its decision. Everything else still comes
+// from this page's own replica: the router relays only the OpenAI routes, and the engine events
+// exist only on the replica that runs the request. So the stages are filled when the router
+// picked this replica, and when it picked another one the page says so and links to that
+// replica's own page. The router answers this page cross-origin (fornax/router/cors.py), for
+// the origins of its replicas only: open the page at the URL the router knows the replica by.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "fornax.apiKey";
+const ROUTER_STORE = "fornax.routerUrl";
+const ROUTER_POLL_MS = 2000;
 let apiKey = localStorage.getItem(KEY_STORE) || "";
+let routerUrl = "";  // "" when the page talks to its own server only
+let routerPoll = 0;  // bumped to stop the poller of a router no longer shown
+let servedBy = null;  // the replica the router chose for the last request
 let model = null;
 let liveAbort = null;
 let charts = null;
@@ -42,9 +55,10 @@ async function postJSON(path, body, signal) {
 
 // Yields each `data:` payload of a server-sent event stream. `onOpen` runs at the first block,
 // comments included: the event streams send ": subscribed" once their subscription exists
-// (the headers alone may come before it).
-async function* sse(path, init, onOpen) {
+// (the headers alone may come before it). `onHeaders` gets the response, errors included.
+async function* sse(path, init, onOpen, onHeaders) {
   const resp = await fetch(path, init);
+  if (onHeaders) onHeaders(resp);
   if (!resp.ok) throw await failure(resp);
   const reader = resp.body.getReader();
   const decoder = new TextDecoder();
@@ -217,6 +231,7 @@ class Run {
     this.tokens = 0;
     this.itls = [];
     this.firstTokenAt = null;
+    this.elsewhere = false;  // a router sent the request to another replica: no events here
     this.finished = new Promise((resolve) => { this.markFinished = resolve; });
   }
 
@@ -235,7 +250,8 @@ class Run {
     if ($("seed").value !== "") body.seed = Number($("seed").value);
     const init = { method: "POST", headers: headers(true), body: JSON.stringify(body), signal: this.abort.signal };
     const out = $("output-text");
-    for await (const data of sse("/v1/chat/completions", init)) {
+    const onHeaders = (resp) => { if (routerUrl) this.elsewhere = !showRoute(resp); };
+    for await (const data of sse(routerUrl + "/v1/chat/completions", init, null, onHeaders)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
@@ -252,6 +268,12 @@ class Run {
   adopt(id) {
     this.id = id;
     document.body.dataset.requestId = id;
+    if (this.elsewhere) {  // its events are on the replica that ran it, not on this one
+      this.firehose.abort();
+      this.pending = [];
+      this.markFinished();
+      return;
+    }
     const early = this.pending;
     this.pending = [];
     for (const e of early) if (e.request_id === id) this.onEvent(e);
@@ -444,10 +466,137 @@ function renderCharts(series) {
   }
 }
 
+// ---- the router --------------------------------------------------------------------------------
+
+// What each route reason means (fornax/router/policies.py and proxy.py name them).
+const REASONS = {
+  cache_hit: "it already holds the longest prefix of this prompt (cache-aware)",
+  cache_miss: "no replica held enough of this prompt: the least loaded (cache-aware)",
+  balance_fallback: "the replicas were out of balance: the least loaded (cache-aware)",
+  least_load: "the least loaded",
+  round_robin: "its turn (round-robin)",
+  long_pool: "a long prompt: the long-prompt pool",
+  short_pool: "a short prompt: the untagged pool",
+  pool_fallback: "its pool had no replica available: any replica",
+  retries_exhausted: "every attempt failed: this was the last one",
+};
+
+// "" (no router) or the URL without trailing slashes; anything but http(s) is refused.
+function routerBase(value) {
+  const text = (value || "").trim().replace(/\/+$/, "");
+  if (!text) return "";
+  try {
+    const url = new URL(text);
+    if (url.protocol === "http:" || url.protocol === "https:") return text;
+  } catch (_) { /* not a URL */ }
+  return null;
+}
+
+function useRouter(value) {
+  const base = routerBase(value);
+  routerUrl = base || "";
+  routerPoll += 1;  // the poller of the previous router stops at its next turn
+  servedBy = null;
+  $("router").hidden = $("live-self").hidden = !routerUrl;
+  $("router-name").textContent = routerUrl;
+  for (const id of ["route-replica", "route-reason", "route-attempts"]) $(id).textContent = "–";
+  $("route-elsewhere").hidden = true;
+  $("router-replicas").textContent = "";
+  routerNote(base === null ? "Not a router URL (http://host:port): the page uses its own server." : "");
+  if (base === null) $("router").hidden = false;
+  if (routerUrl) pollReplicas(routerPoll);
+}
+
+function routerNote(text) {
+  $("router-note").textContent = text;
+  $("router-note").hidden = !text;
+}
+
+const sameOrigin = (url) => { try { return new URL(url).origin === location.origin; } catch (_) { return false; } };
+
+// Shows the router's decision from its answer's headers; true when the replica is this page's.
+function showRoute(resp) {
+  const replica = resp.headers.get("x-fornax-replica");
+  const reason = resp.headers.get("x-fornax-route-reason");
+  const mine = !!replica && sameOrigin(replica);
+  servedBy = replica;
+  $("route-replica").textContent = replica ? replica + (mine ? " (this page's replica)" : "") :
+    "not named (is " + routerUrl + " a fornax router?)";
+  const code = document.createElement("code");
+  code.textContent = reason || "–";
+  $("route-reason").replaceChildren(code, REASONS[reason] ? " · " + REASONS[reason] : "");
+  $("route-attempts").textContent = resp.headers.get("x-fornax-attempts") || "–";
+  $("route-elsewhere").hidden = mine || !replica;
+  if (replica && !mine) {
+    const link = document.createElement("a");
+    link.href = replica + "/ui/?router=" + encodeURIComponent(routerUrl);
+    link.textContent = "its own page";
+    $("route-elsewhere").replaceChildren("Another replica ran it, so its engine events (stages 2–4) are on ", link, ".");
+  }
+  document.querySelectorAll("#router-replicas tr").forEach((tr) => tr.classList.toggle("me", tr.dataset.url === servedBy));
+  return mine;
+}
+
+// GET /router/replicas every ROUTER_POLL_MS while this router is shown and the tab is visible.
+async function pollReplicas(generation) {
+  while (generation === routerPoll) {
+    if (!document.hidden) await fetchReplicas();
+    await new Promise((r) => setTimeout(r, ROUTER_POLL_MS));
+  }
+}
+
+async function fetchReplicas() {
+  try {
+    const resp = await fetch(routerUrl + "/router/replicas", { headers: headers() });
+    if (resp.status === 401 || resp.status === 403) {
+      routerNote("The replica list needs a router admin key (--admin-key): " + (await failure(resp)).message);
+      return;
+    }
+    if (!resp.ok) throw await failure(resp);
+    const body = await resp.json();
+    renderReplicas([...body.data, ...(body.draining || [])], body.policy);
+  } catch (err) {
+    // fetch() says only "Failed to fetch" for both an unreachable router and a refused origin.
+    routerNote("Cannot read " + routerUrl + "/router/replicas (" + err.message + "). Is the router up, and " +
+      "was this page opened at the URL the router knows this replica by?");
+  }
+}
+
+function replicaState(r) {
+  if (r.draining) return ["draining", "removed: finishing its requests"];
+  if (!r.healthy) return ["out", r.last_error || "failed its health checks"];
+  if (!r.ready) return ["not ready", r.last_error || "loading or draining"];
+  return ["in rotation", ""];
+}
+
+function renderReplicas(replicas, policy) {
+  const rows = replicas.map((r) => {
+    const [state, why] = replicaState(r);
+    const tr = document.createElement("tr");
+    tr.dataset.url = r.url;
+    tr.dataset.state = state;
+    tr.classList.toggle("me", r.url === servedBy);
+    const cells = [r.url + (sameOrigin(r.url) ? " (this page)" : ""), state, r.inflight, +r.load.toFixed(1),
+      (100 * r.polled.kv_cache_usage).toFixed(1) + "%"];
+    for (const text of cells) tr.appendChild(Object.assign(document.createElement("td"), { textContent: text }));
+    tr.children[1].title = why;
+    return tr;
+  });
+  $("router-replicas").replaceChildren(...rows);
+  routerNote(replicas.length ? "policy: " + policy : "The router has no replicas.");
+}
+
 // ---- start -------------------------------------------------------------------------------------
 
 window.addEventListener("DOMContentLoaded", () => {
   $("play-form").addEventListener("submit", play);
+  const given = new URLSearchParams(location.search).get("router");
+  $("router-url").value = given ?? localStorage.getItem(ROUTER_STORE) ?? "";
+  $("router-url").addEventListener("change", () => {
+    localStorage.setItem(ROUTER_STORE, $("router-url").value.trim());
+    useRouter($("router-url").value);
+  });
+  useRouter($("router-url").value);
   $("auth-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     apiKey = $("api-key").value.trim();
