@@ -7,8 +7,10 @@ print one line to stderr and exit 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+from collections.abc import Callable
 
 from fornax.config import (
     DEFAULT_MODEL,
@@ -290,25 +292,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(server_config, engine_config)
 
 
+# The model modules whose errors a user can cause, and the error each raises.
+_MODEL_ERRORS = (("fornax.models.registry", "ModelSourceError"), ("fornax.models.loader", "ModelLoadError"))
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions told as one line instead of a traceback. The model modules' own are
+    looked up only among modules already imported: a handler that raised one has imported
+    it, and importing them here would load torch (seconds, and its memory) for commands
+    that never touch a model (`router`, `bench`, `cluster`)."""
+    errors: list[type[Exception]] = [ConfigError, ValueError]
+    for module, name in _MODEL_ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and hasattr(loaded, name):
+            errors.append(getattr(loaded, name))
+    return tuple(errors)
+
+
+# Commands whose handler lives in another module, imported only when the command runs.
+_HANDLER_MODULES = {"bench": ("fornax.bench.cli", "run_bench"), "cluster": ("fornax.cluster.cli", "run_cluster"),
+                    "router": ("fornax.router.cli", "cmd_router")}  # fmt: skip
+
+
+def handler(command: str) -> Callable[[argparse.Namespace], int | None]:
+    if command in _HANDLER_MODULES:
+        module, name = _HANDLER_MODULES[command]
+        return getattr(importlib.import_module(module), name)
+    return {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[command]
+
+
+def router_parser() -> argparse.ArgumentParser:
+    """`fornax router ...` alone: the full parser imports every command's module (the
+    bench's numpy among them), which a long-running router would carry for nothing."""
+    from fornax.router.cli import add_router_parser
+
+    parser = argparse.ArgumentParser(prog="fornax", description="LLM inference engine and server")
+    add_router_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    from fornax.models.loader import ModelLoadError
-    from fornax.models.registry import ModelSourceError
-
-    args = build_parser().parse_args(argv)
-    from fornax.bench.cli import run_bench
-
-    from fornax.cluster.cli import run_cluster
-    from fornax.router.cli import cmd_router
-
-    handlers = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": run_bench,
-                "cluster": run_cluster, "router": cmd_router}  # fmt: skip
+    argv = sys.argv[1:] if argv is None else argv
+    args = (router_parser() if argv[:1] == ["router"] else build_parser()).parse_args(argv)
     try:
-        code = handlers[args.command](args)
-    except (ModelSourceError, ModelLoadError, ConfigError, ValueError) as exc:
-        print(f"fornax: error: {exc}", file=sys.stderr)
-        return 1
+        code = handler(args.command)(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise
+        print(f"fornax: error: {exc}", file=sys.stderr)
+        return 1
     return code if isinstance(code, int) else 0
 
 

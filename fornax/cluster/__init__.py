@@ -4,6 +4,8 @@ What runs where
 - The driver (`fornax cluster up`, or `fornax serve --replicas N`) runs the controller
   (controller.py) and starts the router as a subprocess (`python -m fornax.cli router`), with
   a generated admin key for its /router/replicas routes. Clients talk to the router only.
+  Replicas with keys get a generated admin key too; the router polls their /metrics and
+  /v1/models with it (--replica-poll-key) and passes each client's own key on.
 - Each replica is a Ray actor (actor.py: ReplicaActor) asking for `--threads-per-replica`
   CPUs, wherever Ray places it; the actor owns one `fornax serve` subprocess on a free port
   with `--num-threads` equal to those CPUs, so replicas do not fight over cores.

@@ -153,8 +153,7 @@ class ClusterController:
     def _start_router(self) -> None:
         c = self.config
         key = self.router_admin_key if c.router_auth else None
-        own_key = ["--admin-key", f"fornax-cluster:{key}"] if key else []
-        args = ["--policy", c.policy, *own_key, *c.router_args]
+        args = self.router_args(key)
         self._router = RouterProcess(c.router_host, c.router_port, args)
         self._router.start()
         self._router_client = RouterClient(self._router.url, key)
@@ -163,6 +162,19 @@ class ClusterController:
         except (RuntimeError, TimeoutError) as exc:
             raise ClusterError(str(exc)) from exc
         self._membership = self._router_client
+
+    def router_args(self, admin_key: str | None) -> list[str]:
+        """The router's flags: the policy, the controller's own admin key for /router/*, and,
+        for replicas with keys, the replica admin key the cluster generated as the router's
+        poll key: it reads their /metrics and /v1/models with it, while each client's own key
+        is still what the replicas see on its requests (their per-key usage, limits, cache)."""
+        c = self.config
+        args = ["--policy", c.policy]
+        if admin_key:
+            args += ["--admin-key", f"fornax-cluster:{admin_key}"]
+        if c.replica.metrics_key:
+            args += ["--replica-poll-key", c.replica.metrics_key]
+        return [*args, *c.router_args]
 
     # -- replicas --
     def _add_replica(self) -> Replica:

@@ -1,28 +1,16 @@
-"""`python -m fornax.router ...`: the same flags as `fornax router`, without importing the
-model modules (`fornax.cli` loads torch to report model errors), so the router starts in
-well under a second and stays small."""
+"""`python -m fornax.router ...`: the same as `fornax router ...` (same flags, same one-line
+errors). Kept for scripts that use it; the main CLI no longer imports the model modules
+(torch) for `router`, so both start equally fast and stay equally small."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from fornax.config import ConfigError
-from fornax.router.cli import add_router_parser, cmd_router
+from fornax.cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fornax")  # usage reads "fornax router ..."
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_router_parser(sub)
-    args = parser.parse_args(["router", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return cmd_router(args)
-    except ConfigError as exc:
-        print(f"fornax router: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -34,11 +34,10 @@ MAX_ADMIN_BODY = 64 << 10
 routes = APIRouter()
 
 
-class Gate:
-    """ASGI middleware: authentication and the admin role check, before any route."""
+class Keys:
+    """Who may call what: the keys, and the paths that need none."""
 
-    def __init__(self, app: ASGIApp, config: RouterConfig) -> None:
-        self.app = app
+    def __init__(self, config: RouterConfig) -> None:
         self.keys = [(key.encode(), USER) for _, key in config.api_keys]
         self.keys += [(key.encode(), ADMIN) for _, key in config.admin_keys]
         self.public = {"/health", "/version"} | ({"/metrics"} if config.public_metrics else set())
@@ -54,20 +53,30 @@ class Gate:
                 found = role
         return found if presented else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def denial(self, scope: Scope) -> ApiError | None:
+        """The error an HTTP request is refused with (401, 403), or None when it may pass."""
         path: str = scope.get("path", "")
-        if scope["type"] != "http" or path in self.public:
-            await self.app(scope, receive, send)
-            return
+        if path in self.public or not self.keys:
+            return None
         role = self.role(_header(scope, b"authorization"))
         if role is None:
-            err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-            await err.response()(scope, receive, send)
-            return
+            return ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         if path.startswith(ADMIN_PREFIX) and role != ADMIN:
-            err = ApiError(403, "/router/* needs an admin key (--admin-key)", code="permission_denied")
-            await err.response()(scope, receive, send)
+            return ApiError(403, "/router/* needs an admin key (--admin-key)", code="permission_denied")
+        return None
+
+
+class Gate:
+    """ASGI middleware: authentication and the admin role check, before any route."""
+
+    def __init__(self, app: ASGIApp, keys: Keys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        denial = self.keys.denial(scope) if scope["type"] == "http" else None
+        if denial is not None:
+            await denial.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -132,7 +132,8 @@ class Relay:
         endpoint = RELAY_PATHS[path]
         route = route_request(endpoint, await parse_json(body))
         upstream = upstream_headers(headers, config.replica_api_key)
-        return await until_disconnected(receive, self.router.proxy.forward(endpoint, path, body, route, upstream))
+        work = self.router.proxy.forward(endpoint, path, body, route, upstream)
+        return await until_disconnected(receive, work)
 
 
 async def read_body(receive: Receive, declared: str | None, max_bytes: int) -> bytes:

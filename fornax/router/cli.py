@@ -26,7 +26,12 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="an operator's key (repeatable): also /router/replicas")
     p.add_argument("--admin-key-file", default=None)
     p.add_argument("--replica-api-key", default=None,
-                   help="the key sent to replicas (default: the client's Authorization header is passed on)")
+                   help="the key sent to replicas with relayed requests, in place of the client's "
+                        "(default: the client's Authorization header is passed on)")
+    p.add_argument("--replica-poll-key", default=None,
+                   help="the key sent only with the router's own polls of replicas (/health, /metrics, "
+                        "/v1/models), e.g. a replica admin key; clients' keys still reach the replicas "
+                        "(default: --replica-api-key, if given)")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
@@ -82,7 +87,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, host=args.host, port=args.port,
         api_keys=load_api_keys(args.api_key, args.api_key_file),
         admin_keys=load_admin_keys(args.admin_key, args.admin_key_file),
-        replica_api_key=args.replica_api_key, public_metrics=args.public_metrics,
+        replica_api_key=args.replica_api_key, replica_poll_key=args.replica_poll_key,
+        public_metrics=args.public_metrics,
         access_log=args.access_log, log_level=args.log_level,
         poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
         unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,

@@ -39,6 +39,10 @@ class RouterConfig:
     api_keys: tuple[tuple[str, str], ...] = ()  # (name, key): clients of the router
     admin_keys: tuple[tuple[str, str], ...] = ()  # may use /router/replicas (and everything else)
     replica_api_key: str | None = None  # sent to replicas; None: the client's Authorization passes
+    # Sent only with the router's own polls (/health, /metrics, /v1/models), so replicas with
+    # keys report load and models while each client's own key still reaches them (their
+    # tenancy: usage, rate limits, cache scope per key). None: the replica API key, if any.
+    replica_poll_key: str | None = None
     public_metrics: bool = False
     access_log: bool = True
     log_level: str = "info"
@@ -79,12 +83,19 @@ class RouterConfig:
             raise ConfigError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ConfigError("balance thresholds: absolute >= 0 and relative >= 1")
-        if self.replica_api_key is not None and not self.replica_api_key:
-            raise ConfigError("the replica API key must not be empty")
+        for name in ("replica_api_key", "replica_poll_key"):
+            key = getattr(self, name)
+            if key == "" or (key is not None and not key.isprintable()):
+                raise ConfigError(f"{name} must be a non-empty line of printable characters")
 
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_keys or self.admin_keys)
+
+    @property
+    def poll_key(self) -> str | None:
+        """The key the router's own polls present to replicas."""
+        return self.replica_poll_key if self.replica_poll_key is not None else self.replica_api_key
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -15,11 +15,11 @@ from fornax.router.config import RouterConfig
 from fornax.router.metrics import RouterMetrics
 from fornax.router.policies import make_policy
 from fornax.router.poller import Poller
+from fornax.router.pool import ReplicaPool
 from fornax.router.proxy import Proxy
 from fornax.router.replicas import Replica, ReplicaSet
 
 logger = logging.getLogger("fornax.router")
-KEEPALIVE_EXPIRY_S = 30.0
 POLL_CONNECTIONS = 64
 
 
@@ -31,11 +31,12 @@ class Router:
             self.replicas.add(spec.url, dict(spec.tags), source="static")
         self.policy = make_policy(config)
         self.metrics = RouterMetrics()
-        key = config.replica_api_key
-        self.replica_headers = {"authorization": f"Bearer {key}"} if key else {}
+        key = config.poll_key
+        self.poll_headers = {"authorization": f"Bearer {key}"} if key else {}
         self._proxy: Proxy | None = None
         self._poller: Poller | None = None
-        self._clients: list[httpx.AsyncClient] = []
+        self._pool: ReplicaPool | None = None
+        self._poll_client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.replicas.subscribe(self._on_membership)
@@ -48,21 +49,16 @@ class Router:
 
     async def start(self) -> None:
         cfg = self.config
-        # One pool for all proxied requests, kept alive between them. No pool timeout: when
-        # --max-connections are all busy a request waits for one (that is the router's own
-        # limit, not a replica's fault). trust_env=False: an HTTP(S)_PROXY meant for the
-        # outside world must not sit between the router and its replicas.
-        timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s, pool=None)
-        limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        # One pool for all proxied requests, kept alive between them (pool.py).
+        self._pool = ReplicaPool(cfg)
         # Health checks get their own small pool, so a saturated proxy pool cannot make
-        # every replica look dead.
+        # every replica look dead. trust_env=False: an HTTP(S)_PROXY meant for the outside
+        # world must not sit between the router and its replicas.
         poll_client = httpx.AsyncClient(timeout=cfg.poll_timeout_s, trust_env=False,
                                         limits=httpx.Limits(max_connections=POLL_CONNECTIONS))  # fmt: skip
-        self._clients = [client, poll_client]
-        self._proxy = Proxy(cfg, self.replicas, self.policy, client, self.metrics)
-        self._poller = Poller(cfg, self.replicas, poll_client, self.metrics, self.replica_headers)
+        self._poll_client = poll_client
+        self._proxy = Proxy(cfg, self.replicas, self.policy, self._pool, self.metrics)
+        self._poller = Poller(cfg, self.replicas, poll_client, self.metrics, self.poll_headers)
         self._loop = asyncio.get_running_loop()
         await self._poller.round()  # replicas already up are in rotation before the first request
         self._spawn(self._poller.run())
@@ -74,8 +70,10 @@ class Router:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for client in self._clients:
-            await client.aclose()
+        if self._pool is not None:
+            await self._pool.aclose()
+        if self._poll_client is not None:
+            await self._poll_client.aclose()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -52,7 +52,7 @@ class Poller:
     def __init__(self, config: RouterConfig, replicas: ReplicaSet, client: httpx.AsyncClient,
                  metrics: RouterMetrics, headers: dict[str, str]) -> None:  # fmt: skip
         self.config, self.replicas, self.client, self.metrics = config, replicas, client, metrics
-        self.headers = headers  # the replica key, if any: /metrics and /v1/models may need it
+        self.headers = headers  # the poll key, if any: a replica's /metrics and /v1/models may need it
         self.dns = DnsDiscovery(config.replica_dns, replicas)
         self._polling: set[str] = set()  # URLs with a poll in progress (no overlapping polls)
 
@@ -85,7 +85,8 @@ class Poller:
     async def _check_health(self, replica: Replica) -> bool:
         """One health check; True when the replica answered 200."""
         try:
-            resp = await self.client.get(replica.url + "/health", timeout=self.config.poll_timeout_s)
+            resp = await self.client.get(replica.url + "/health", headers=self.headers,
+                                         timeout=self.config.poll_timeout_s)  # fmt: skip
             status = resp.status_code
         except httpx.HTTPError as exc:
             return self._failed(replica, f"health check: {type(exc).__name__}: {exc}")

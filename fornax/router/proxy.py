@@ -34,6 +34,7 @@ from starlette.responses import Response
 from fornax.router.config import RouterConfig
 from fornax.router.metrics import NO_REPLICA, RouterMetrics
 from fornax.router.policies import Decision, Policy, Rotor, least_loaded
+from fornax.router.pool import ReplicaPool, UpstreamResponse
 from fornax.router.prompt import RouteRequest
 from fornax.router.replicas import EJECT_PASSIVE, Replica, ReplicaSet
 from fornax.router.stream import NotOpened, Opened, RelayResponse, Upstream, open_stream, relay
@@ -43,7 +44,8 @@ logger = logging.getLogger("fornax.router")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "transfer-encoding", "upgrade"})  # fmt: skip
 # accept-encoding: replicas must answer uncompressed, or SSE events could not be found in the bytes.
-DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
+# expect: the router has the whole body already; a replica must not answer 100 Continue.
+DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
 DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
 GENERATION = ("chat", "completions")  # the endpoints the policy routes; others go to the least loaded
 
@@ -94,10 +96,10 @@ class Lease:
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig, replicas: ReplicaSet, policy: Policy, client: httpx.AsyncClient,
+    def __init__(self, config: RouterConfig, replicas: ReplicaSet, policy: Policy, pool: ReplicaPool,
                  metrics: RouterMetrics) -> None:  # fmt: skip
         self.config, self.replicas, self.policy = config, replicas, policy
-        self.client, self.metrics = client, metrics
+        self.pool, self.metrics = pool, metrics
         self._rotor = Rotor()
 
     # -- the attempt loop --
@@ -159,9 +161,7 @@ class Proxy:
         replica = decision.replica
         lease, resp, handed_off = Lease(replica), None, False
         try:
-            request = self.client.build_request("POST", replica.url + ctx.path, content=ctx.body,
-                                                headers=ctx.headers)  # fmt: skip
-            resp = await self.client.send(request, stream=True)
+            resp = await self.pool.post(replica.url, ctx.path, ctx.body, ctx.headers)
             failure = await self._status_failure(resp, replica)
             if failure is not None:
                 return failure
@@ -183,7 +183,7 @@ class Proxy:
                     with anyio.CancelScope(shield=True):
                         await resp.aclose()
 
-    async def _status_failure(self, resp: httpx.Response, replica: Replica) -> Failure | None:
+    async def _status_failure(self, resp: UpstreamResponse, replica: Replica) -> Failure | None:
         status = resp.status_code
         if status != 429 and (status < 500 or status in (501, 505)):
             return None  # success, or the client's error (501/505: the same answer everywhere)
@@ -215,7 +215,7 @@ class Proxy:
             self.metrics.ejections.labels(replica.url, EJECT_PASSIVE).inc()
             logger.warning("replica %s is out of rotation: %s", replica.url, why)
 
-    def _stream(self, opened: Opened, resp: httpx.Response, lease: Lease, decision: Decision,
+    def _stream(self, opened: Opened, resp: UpstreamResponse, lease: Lease, decision: Decision,
                 ctx: Attempt) -> Response:  # fmt: skip
         replica = decision.replica
 

@@ -28,6 +28,7 @@ import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from fornax.router.pool import UpstreamResponse
 from fornax.server.errors import error_body
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -101,7 +102,7 @@ def _role_only(choice: Any) -> bool:
     return all(not value for key, value in delta.items() if key != "role")
 
 
-async def open_stream(resp: httpx.Response) -> Opened | NotOpened:
+async def open_stream(resp: UpstreamResponse) -> Opened | NotOpened:
     """Read events up to the commit point. Transport errors propagate (a failed attempt)."""
     chunks = resp.aiter_raw()
     held: list[bytes] = []
@@ -138,7 +139,7 @@ class Upstream:
     metrics), closed exactly once: by the relay when it ends, or by the response when the
     client left before the relay ever ran (a generator that never started runs no finally)."""
 
-    def __init__(self, resp: httpx.Response, on_end: Callable[[str], None]) -> None:
+    def __init__(self, resp: UpstreamResponse, on_end: Callable[[str], None]) -> None:
         self.resp, self.on_end, self.closed = resp, on_end, False
 
     async def close(self, outcome: str) -> None:

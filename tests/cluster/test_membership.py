@@ -100,6 +100,24 @@ def test_replicas_with_keys_get_a_key_for_their_metrics() -> None:
     assert (config.scaling.min_replicas, config.scaling.max_replicas) == (3, 3)
 
 
+def test_the_router_polls_keyed_replicas_with_their_generated_key() -> None:
+    """The replicas' generated admin key is the router's poll key, not a replacement for
+    the clients' keys (--replica-api-key): those still reach the replicas."""
+    from fornax.cli import build_parser, router_parser
+    from fornax.cluster.cli import cluster_config
+    from fornax.cluster.controller import ClusterController
+    from fornax.router.cli import router_config
+
+    keyed = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "2", "--api-key", "sk-a"]))
+    args = ClusterController(keyed).router_args("ctl-key")
+    router = router_config(router_parser().parse_args(["router", *args]))
+    assert router.replica_poll_key == keyed.replica.metrics_key and router.replica_api_key is None
+    assert router.poll_key == keyed.replica.metrics_key
+    assert ("fornax-cluster", "ctl-key") in router.admin_keys and "sk-a" in {k for _, k in router.api_keys}
+    open_ = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "2"]))
+    assert "--replica-poll-key" not in ClusterController(open_).router_args(None)
+
+
 def test_bad_sizes_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     from fornax.cli import main
 

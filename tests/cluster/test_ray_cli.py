@@ -54,6 +54,8 @@ def test_cluster_up_serves_with_keys_and_drains_on_sigterm(tmp_path: Path) -> No
         )  # the router's keys
         replicas = httpx.get(url + "/router/replicas", headers=auth, timeout=10)
         assert replicas.status_code == 403  # a user key is no admin: only the controller's own key is
+        models = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"]
+        assert [m["id"] for m in models] == [MODEL]  # polled from the keyed replica with the poll key
         results: list[int] = []
         slow = threading.Thread(target=lambda: results.append(
             httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120).status_code))  # fmt: skip

@@ -81,6 +81,7 @@ class StubReplica:
         self.running, self.waiting = 0.0, 0.0
         self.requests: list[dict[str, Any]] = []
         self.peers: list[int] = []  # the client port of each generation request
+        self.poll_auth: dict[str, set[str | None]] = {}  # GET path -> the Authorization headers it got
 
     @property
     def url(self) -> str:
@@ -99,6 +100,12 @@ class StubReplica:
 
     def _app(self) -> FastAPI:
         app = FastAPI()
+
+        @app.middleware("http")
+        async def record_poll_auth(request: Request, call_next: Any) -> Response:
+            if request.method == "GET":
+                self.poll_auth.setdefault(request.url.path, set()).add(request.headers.get("authorization"))
+            return await call_next(request)
 
         @app.get("/health")
         async def health() -> Response:
