@@ -1,7 +1,7 @@
 """`fornax router`: one OpenAI-compatible front door over several fornax replicas.
 
 Topology
-    clients ──HTTP──▶ router ──HTTP (one keep-alive pool)──▶ replica 1..N (`fornax serve`)
+    clients ──HTTP──▶ router ──HTTP (one aiohttp session, kept-alive)──▶ replica 1..N (`fornax serve`)
 The router speaks HTTP only (no engine, no torch): /v1/chat/completions, /v1/completions,
 /tokenize and /detokenize are relayed (streams chunk by chunk, as they arrive); /v1/models
 is the union of the replicas' models; /health is 200 while any replica is in rotation;

@@ -229,7 +229,7 @@ async def metrics(request: Request) -> Response:
 def serve(config: RouterConfig, replicas: ReplicaSet | None = None) -> int:
     """Run the router until it is stopped (SIGINT/SIGTERM); the process exit code."""
     app = create_app(config, replicas)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per relayed request otherwise
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the poller's: one INFO line per poll otherwise
     # httptools (C) parses the clients' requests and uvloop runs the loop: together they took
     # about an eighth off the router's CPU time per relayed request (h11 and asyncio measured).
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,

@@ -9,15 +9,16 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+import aiohttp
 import httpx
 
 from fornax.router.config import RouterConfig
 from fornax.router.metrics import RouterMetrics
 from fornax.router.policies import make_policy
 from fornax.router.poller import Poller
-from fornax.router.pool import ReplicaPool
 from fornax.router.proxy import Proxy
 from fornax.router.replicas import Replica, ReplicaSet
+from fornax.router.upstream import open_session
 
 logger = logging.getLogger("fornax.router")
 POLL_CONNECTIONS = 64
@@ -35,7 +36,7 @@ class Router:
         self.poll_headers = {"authorization": f"Bearer {key}"} if key else {}
         self._proxy: Proxy | None = None
         self._poller: Poller | None = None
-        self._pool: ReplicaPool | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._poll_client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -49,15 +50,16 @@ class Router:
 
     async def start(self) -> None:
         cfg = self.config
-        # One pool for all proxied requests, kept alive between them (pool.py).
-        self._pool = ReplicaPool(cfg)
-        # Health checks get their own small pool, so a saturated proxy pool cannot make
+        # One aiohttp session for all relayed requests, its connections kept alive between
+        # them (upstream.py); made here because it binds to the running loop.
+        self._session = open_session(cfg)
+        # Health checks get their own small pool, so a saturated relay session cannot make
         # every replica look dead. trust_env=False: an HTTP(S)_PROXY meant for the outside
         # world must not sit between the router and its replicas.
         poll_client = httpx.AsyncClient(timeout=cfg.poll_timeout_s, trust_env=False,
                                         limits=httpx.Limits(max_connections=POLL_CONNECTIONS))  # fmt: skip
         self._poll_client = poll_client
-        self._proxy = Proxy(cfg, self.replicas, self.policy, self._pool, self.metrics)
+        self._proxy = Proxy(cfg, self.replicas, self.policy, self._session, self.metrics)
         self._poller = Poller(cfg, self.replicas, poll_client, self.metrics, self.poll_headers)
         self._loop = asyncio.get_running_loop()
         await self._poller.round()  # replicas already up are in rotation before the first request
@@ -70,8 +72,8 @@ class Router:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._pool is not None:
-            await self._pool.aclose()
+        if self._session is not None:
+            await self._session.close()
         if self._poll_client is not None:
             await self._poll_client.aclose()
 

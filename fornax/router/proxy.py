@@ -27,17 +27,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import anyio
-import httpx
+import aiohttp
 from starlette.responses import Response
 
 from fornax.router.config import RouterConfig
 from fornax.router.metrics import NO_REPLICA, RouterMetrics
 from fornax.router.policies import Decision, Policy, Rotor, least_loaded
-from fornax.router.pool import ReplicaPool, UpstreamResponse
 from fornax.router.prompt import RouteRequest
 from fornax.router.replicas import EJECT_PASSIVE, Replica, ReplicaSet
 from fornax.router.stream import NotOpened, Opened, RelayResponse, Upstream, open_stream, relay
+from fornax.router.upstream import ClientError, post
 from fornax.server.errors import ApiError
 
 logger = logging.getLogger("fornax.router")
@@ -96,10 +95,10 @@ class Lease:
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig, replicas: ReplicaSet, policy: Policy, pool: ReplicaPool,
-                 metrics: RouterMetrics) -> None:  # fmt: skip
+    def __init__(self, config: RouterConfig, replicas: ReplicaSet, policy: Policy,
+                 session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:  # fmt: skip
         self.config, self.replicas, self.policy = config, replicas, policy
-        self.pool, self.metrics = pool, metrics
+        self.session, self.metrics = session, metrics
         self._rotor = Rotor()
 
     # -- the attempt loop --
@@ -161,7 +160,7 @@ class Proxy:
         replica = decision.replica
         lease, resp, handed_off = Lease(replica), None, False
         try:
-            resp = await self.pool.post(replica.url, ctx.path, ctx.body, ctx.headers)
+            resp = await post(self.session, replica.url, ctx.path, ctx.body, ctx.headers)
             failure = await self._status_failure(resp, replica)
             if failure is not None:
                 return failure
@@ -171,23 +170,22 @@ class Proxy:
                     return self._not_opened(opened, replica)
                 handed_off = True
                 return self._stream(opened, resp, lease, decision, ctx)
-            content = await resp.aread()
-            self._finish(replica.url, resp.status_code, ctx)
-            return Response(content, resp.status_code, self._headers(resp.headers, decision, ctx))
-        except httpx.TransportError as exc:
+            content = await resp.read()
+            self._finish(replica.url, resp.status, ctx)
+            return Response(content, resp.status, self._headers(resp.headers, decision, ctx))
+        except ClientError as exc:  # no connection, a broken one, silence past --read-timeout
             return self._fault(replica, "transport_error", f"{type(exc).__name__}: {exc}")
         finally:
             if not handed_off:
                 lease.release()
                 if resp is not None:
-                    with anyio.CancelScope(shield=True):
-                        await resp.aclose()
+                    resp.release()  # read to its end: the connection is kept; else it is closed
 
-    async def _status_failure(self, resp: UpstreamResponse, replica: Replica) -> Failure | None:
-        status = resp.status_code
+    async def _status_failure(self, resp: aiohttp.ClientResponse, replica: Replica) -> Failure | None:
+        status = resp.status
         if status != 429 and (status < 500 or status in (501, 505)):
             return None  # success, or the client's error (501/505: the same answer everywhere)
-        content = await resp.aread()
+        content = await resp.read()
         failure = Failure("", replica, f"answered {status}", status, dict(resp.headers), content)
         if status == 429:
             failure.kind = "rate_limited"
@@ -215,7 +213,7 @@ class Proxy:
             self.metrics.ejections.labels(replica.url, EJECT_PASSIVE).inc()
             logger.warning("replica %s is out of rotation: %s", replica.url, why)
 
-    def _stream(self, opened: Opened, resp: UpstreamResponse, lease: Lease, decision: Decision,
+    def _stream(self, opened: Opened, resp: aiohttp.ClientResponse, lease: Lease, decision: Decision,
                 ctx: Attempt) -> Response:  # fmt: skip
         replica = decision.replica
 
@@ -226,7 +224,7 @@ class Proxy:
 
         upstream = Upstream(resp, on_end)
         body = relay(opened, upstream, lambda why: self.eject(replica, f"failed mid-stream: {why}"))
-        return RelayResponse(body, upstream, resp.status_code, self._headers(resp.headers, decision, ctx))
+        return RelayResponse(body, upstream, resp.status, self._headers(resp.headers, decision, ctx))
 
     # -- answers --
     def give_up(self, failure: Failure | None, ctx: Attempt) -> Response:

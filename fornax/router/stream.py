@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from fornax.router.pool import UpstreamResponse
+from fornax.router.upstream import ClientError
 from fornax.server.errors import error_body
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -102,9 +102,9 @@ def _role_only(choice: Any) -> bool:
     return all(not value for key, value in delta.items() if key != "role")
 
 
-async def open_stream(resp: UpstreamResponse) -> Opened | NotOpened:
+async def open_stream(resp: aiohttp.ClientResponse) -> Opened | NotOpened:
     """Read events up to the commit point. Transport errors propagate (a failed attempt)."""
-    chunks = resp.aiter_raw()
+    chunks = resp.content.iter_any()  # each chunk as it arrives, not a fixed size
     held: list[bytes] = []
     buf = b""
     async for chunk in chunks:
@@ -139,7 +139,7 @@ class Upstream:
     metrics), closed exactly once: by the relay when it ends, or by the response when the
     client left before the relay ever ran (a generator that never started runs no finally)."""
 
-    def __init__(self, resp: UpstreamResponse, on_end: Callable[[str], None]) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, on_end: Callable[[str], None]) -> None:
         self.resp, self.on_end, self.closed = resp, on_end, False
 
     async def close(self, outcome: str) -> None:
@@ -147,8 +147,7 @@ class Upstream:
             return
         self.closed = True
         try:
-            with anyio.CancelScope(shield=True):
-                await self.resp.aclose()
+            self.resp.release()  # kept when the body was read to its end, else closed (the replica aborts)
         finally:
             self.on_end(outcome)
 
@@ -174,7 +173,7 @@ async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], No
             raise Truncated("the replica closed the stream before it was complete")
         outcome = OK
         await _drain(opened.chunks)
-    except (httpx.TransportError, Truncated) as exc:
+    except (ClientError, Truncated) as exc:
         outcome = STREAM_ERROR
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         on_fault(why)
@@ -190,7 +189,7 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
         try:
             async for _ in chunks:
                 pass
-        except httpx.TransportError:
+        except ClientError:
             pass
 
 

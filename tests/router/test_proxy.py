@@ -174,7 +174,7 @@ def test_connection_refused_fails_over(own_stubs: tuple[StubReplica, StubReplica
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 200 and r.json()["replica"] == "b" and r.headers["x-fornax-attempts"] == "2"
         ra = rt.replicas.get(a.url)
-        assert ra is not None and not ra.health.healthy and "ConnectError" in (ra.last_error or "")
+        assert ra is not None and not ra.health.healthy and "ClientConnectorError" in (ra.last_error or "")
 
 
 def test_all_replicas_down_is_502_then_503(own_stubs: tuple[StubReplica, StubReplica]) -> None:
