@@ -1,8 +1,10 @@
 """HTTP routes: parse and bound a request, hand it to the async engine, shape the answer.
 
-No scheduling logic lives here: admission control is one comparison against
---max-queued-requests, everything else is the engine's. Authentication, loading and
-draining are handled before routing (auth.Gate).
+No scheduling logic lives here: admission (queued requests and sequences, the per-request
+token budget, priorities: server/admission.py) and per-key limits (server/tenancy.py) are
+checks before the engine sees a request; everything else is the engine's. Authentication,
+loading and draining are handled before routing (auth.Gate); bodies are read and parsed by
+server/body_parser.py.
 """
 
 from __future__ import annotations
