@@ -29,7 +29,7 @@ from fornax.server.errors import ApiError, bad_request
 from fornax.server.generation import ClientGone, Generation, unless_disconnected
 from fornax.server.limits import (
     build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_text_fits,
-    check_token_count, check_token_ids, message_texts,
+    check_token_count, check_token_ids, check_tokenize_input, message_texts,
     num_logprobs, resolve_max_tokens,
 )  # fmt: skip
 from fornax.server.protocol import (
@@ -245,22 +245,17 @@ def sse_stream(chunks: Any) -> StreamingResponse:
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
     state, engine, req, _ = await _parse_request(request, TokenizeRequest)
-    if (req.prompt is None) == (req.messages is None):
-        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     max_len = engine.max_model_len
+    messages, param = check_tokenize_input(req, state.config, max_len)
     try:
-        if req.messages is not None:
-            messages = check_messages(req.messages, state.config)
-            check_text_fits(message_texts(messages), max_len, "messages")
+        if messages is not None:
             ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
                                           add_generation_prompt=req.add_generation_prompt, tokenize=True)  # fmt: skip
         else:
-            assert req.prompt is not None
-            check_text_fits([req.prompt], max_len, "prompt")
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
-    check_token_count(ids, max_len, "messages" if req.messages is not None else "prompt")
+    check_token_count(ids, max_len, param)
     return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
 
 

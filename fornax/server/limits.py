@@ -15,7 +15,9 @@ from pydantic import BaseModel, ValidationError
 from fornax.config import PRIORITY_RANGE, ServerConfig
 from fornax.engine.request import SamplingParams, SamplingParamsError
 from fornax.server.errors import ApiError, bad_request, validation_error
-from fornax.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from fornax.server.protocol import (
+    ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest, _SamplingFields,
+)  # fmt: skip
 
 M = TypeVar("M", bound=BaseModel)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -159,6 +161,22 @@ def check_token_count(ids: list[int], max_model_len: int, param: str) -> None:
 
 def message_texts(messages: list[dict[str, Any]]) -> list[str]:
     return [m["content"] for m in messages if isinstance(m.get("content"), str)]
+
+
+def check_tokenize_input(req: TokenizeRequest, config: ServerConfig, max_model_len: int
+                         ) -> tuple[list[dict[str, Any]] | None, str]:  # fmt: skip
+    """What /tokenize and /v1/fornax/tokens check before tokenizing: exactly one of prompt and
+    messages, the messages' shape, and text that could fit the context. Returns (the messages
+    as template dicts, or None for a prompt; the param name errors should carry)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    if req.messages is None:
+        assert req.prompt is not None
+        check_text_fits([req.prompt], max_model_len, "prompt")
+        return None, "prompt"
+    messages = check_messages(req.messages, config)
+    check_text_fits(message_texts(messages), max_model_len, "messages")
+    return messages, "messages"
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

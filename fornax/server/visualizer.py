@@ -31,7 +31,7 @@ from fornax.server.api import sse_stream
 from fornax.server.auth import key_name, key_role
 from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
-from fornax.server.limits import check_messages, check_text_fits, check_token_count, message_texts
+from fornax.server.limits import check_token_count, check_tokenize_input, message_texts
 from fornax.server.protocol import TokenizeRequest
 from fornax.server.state import ServerState
 from fornax.server.tenancy import ADMIN, Viewer
@@ -95,11 +95,7 @@ async def tokens(request: Request) -> dict[str, Any]:
     per-token entries are Python work proportional to the prompt."""
     state, engine = _state(request), _engine(request)
     req = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
-    if (req.prompt is None) == (req.messages is None):
-        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
-    messages = None if req.messages is None else check_messages(req.messages, state.config)
-    param = "prompt" if messages is None else "messages"
-    check_text_fits([req.prompt] if messages is None else message_texts(messages), engine.max_model_len, param)
+    messages, param = check_tokenize_input(req, state.config, engine.max_model_len)
     try:
         return await asyncio.to_thread(_token_table, engine, req, messages)
     except ValueError as exc:
