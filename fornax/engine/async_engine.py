@@ -25,6 +25,7 @@ from fornax.config import EngineConfig
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
+from fornax.engine.structured.spec import StructuredOutputsParams
 
 logger = logging.getLogger("fornax.engine")
 
@@ -133,6 +134,11 @@ class AsyncEngine:
         finally:
             if self._streams.pop(request_id, None) is not None and remaining:
                 self.abort(request_id)  # the consumer went away (client disconnect, cancel)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """Compile (and cache) a request's grammar in the calling thread, so the engine thread
+        finds it ready; raises StructuredOutputsError for a constraint that cannot be served."""
+        return self.core.grammars.compile(params)
 
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id, None)

@@ -27,6 +27,7 @@ from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
+from fornax.engine.structured.backend import GrammarBackend
 from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
 from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
@@ -66,6 +67,8 @@ class EngineCore:
             cache.kv_cache_dtype,
         )
         self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
+        # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
+        self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions
         self.children: dict[str, list[str]] = {}  # parent id -> child request ids
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
@@ -93,6 +96,8 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of "
                              f"{self.model_config.vocab_size}")  # fmt: skip
+        structured = params.structured_outputs
+        compiled = self.grammars.compile(structured) if structured is not None else None  # cached by content
         children = []
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
@@ -101,6 +106,8 @@ class EngineCore:
                 child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len, priority,
                 cache_salt=cache_salt,
             )
+            if compiled is not None:
+                req.grammar = self.grammars.new_state(compiled)  # each sample follows its own tokens
             children.append(req)
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
         self.children[request_id] = [c.request_id for c in children]
@@ -152,6 +159,8 @@ class EngineCore:
             if req.request_id not in self.seqs:
                 continue  # a sibling failed earlier in this loop and took the request down
             try:
+                if req.grammar is not None:
+                    self._advance_grammar(req, num_before[req.request_id])
                 tokens, logprobs = self._detokenize(req, num_before[req.request_id], result)
                 outputs.append(self._output(req, tokens, logprobs))
             except Exception as exc:  # noqa: BLE001 - one request's fault ends that request only
@@ -195,6 +204,14 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             break
         return tokens, logprobs
+
+    def _advance_grammar(self, req: Request, num_before: int) -> None:
+        """Move the sequence's grammar past this step's tokens; a grammar that is complete ends
+        the request (even with ignore_eos: nothing may follow it)."""
+        assert req.grammar is not None
+        req.grammar.accept(req.output_token_ids[num_before:])
+        if req.grammar.terminated and not req.is_finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _to_tap(self, method: Callable[..., None], *args: Any) -> None:
         """Call the event tap; one that raises is logged once and detached, so live views stop

@@ -11,6 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fornax.engine.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from fornax.engine.structured.backend import GrammarState
 
 # Bounds that keep one request from asking for unbounded work. The server has its own,
 # stricter, configurable limits; these are the engine's hard floor.
@@ -62,8 +68,18 @@ class SamplingParams:
     # Speculative decoding: at most this many draft tokens per step for this request
     # (None: the engine's num_speculative_tokens; 0: never speculate). Output is the same.
     num_speculative_tokens: int | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; a dict
+    # with the same keys is accepted too).
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise SamplingParamsError("structured_outputs", f"structured_outputs: {exc}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -241,6 +257,9 @@ class Request:
         # verification turns a prefix of them into real tokens and drops the rest.
         self.spec_token_ids: list[int] = []
         self.spec = SpecStats()
+        # Where this sequence is in its grammar (constrained decoding only); it follows the
+        # accepted output tokens, so it survives preemption with them.
+        self.grammar: GrammarState | None = None
         # Sampled-token budget: max_tokens, capped so prompt + output fits the model context.
         limit = sampling_params.max_tokens
         if max_model_len is not None:

@@ -15,6 +15,8 @@ from fornax.engine.request import Request
 from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
+from fornax.engine.structured.backend import apply_bitmask
+from fornax.engine.structured.masks import MaskWorker
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
@@ -41,6 +43,7 @@ class ModelRunner:
         # Small steps in one native call where the model's forms allow (models/native_step.py).
         self.native_step = NativeStep.build(model, self.kv_cache) if kernel_backend == "native" else None
         self.sampler = Sampler()
+        self.masks = MaskWorker(config.vocab_size)  # constrained decoding (engine/structured)
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.
         self.generators: dict[str, torch.Generator] = {}
@@ -55,6 +58,7 @@ class ModelRunner:
         input_ids, positions = self._flatten_tokens(items)
         spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
         meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window, self.attention_kernel)
+        pending_masks = self.masks.start(items)  # filled while the forward runs
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
             hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
         else:
@@ -64,14 +68,17 @@ class ModelRunner:
         sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.spec_token_ids]
         out = ModelRunnerOutput(sampled={})
         self._prompt_logprobs(items, hidden, ends, out)
-        self._verify_drafts(items, hidden, ends, out)
+        masks = self.masks.collect(pending_masks)
+        self._verify_drafts(items, hidden, ends, out, masks.verify)
         if not sampling:
             return out
         rows = torch.as_tensor([int(ends[i]) for i, _ in sampling])
         logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
         requests = [r for _, r in sampling]
         self._ensure_generators(requests)
-        sampler_out = self.sampler(logits, SamplingMetadata.build(requests, self.generators))
+        sampling_meta = SamplingMetadata.build(requests, self.generators)
+        sampling_meta.grammar_bitmask = masks.sample
+        sampler_out = self.sampler(logits, sampling_meta)
         token_ids = sampler_out.sampled_token_ids.tolist()
         for row, request in enumerate(requests):
             out.sampled[request.request_id] = token_ids[row]
@@ -81,14 +88,21 @@ class ModelRunner:
         return out
 
     def _verify_drafts(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput,
+        grammar_bitmask: torch.Tensor | None = None,
     ) -> None:
-        """Requests with drafts: target logits at their last k + 1 positions, then accept/reject."""
+        """Requests with drafts: target logits at their last k + 1 positions, then accept/reject.
+
+        Constrained requests verify against the grammar-masked target: a draft the grammar
+        forbids has probability 0 there and is rejected, and the token taken in its place
+        obeys the grammar, so outputs are the same as without drafts."""
         verifying = [(i, s) for i, s in enumerate(items) if s.spec_token_ids]
         if not verifying:
             return
         rows = np.concatenate([np.arange(ends[i] - len(s.spec_token_ids), ends[i] + 1) for i, s in verifying])
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])  # [sum(k + 1), vocab] float32
+        if grammar_bitmask is not None:
+            apply_bitmask(logits, grammar_bitmask)
         requests = [s.request for _, s in verifying]
         self._ensure_generators(requests)
         result = verify_drafts(logits, requests, [s.spec_token_ids for _, s in verifying], self.generators)

@@ -70,6 +70,9 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None = None  # [M] long
     min_tokens_ids: torch.Tensor | None = None  # [M] long
     penalties: PenaltyMetadata | None = None
+    # Constrained decoding: one bit per (row, token), 0 = forbidden by the row's grammar; rows
+    # without a grammar have every bit set (engine/structured/masks.py). Set by the runner.
+    grammar_bitmask: torch.Tensor | None = None  # [num_reqs, vocab / 32] int32
     # -- logprobs --
     max_num_logprobs: int | None = None  # largest `logprobs` asked in the batch; None: nobody asked
     num_logprobs: list[int | None] = field(default_factory=list)  # per batch row
@@ -81,7 +84,10 @@ class SamplingMetadata:
     @property
     def needs_processing(self) -> bool:
         """True when any stage changes the logits before greedy argmax / temperature."""
-        return self.bias_rows is not None or self.min_tokens_rows is not None or self.penalties is not None
+        return (
+            self.bias_rows is not None or self.min_tokens_rows is not None or self.penalties is not None
+            or self.grammar_bitmask is not None
+        )  # fmt: skip
 
     @classmethod
     def build(
@@ -179,7 +185,8 @@ def _fill_min_tokens(meta: SamplingMetadata, requests: list[Request], device: st
     ids: list[int] = []
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        # A constrained row ends where its grammar does: blocking EOS there would leave no token.
+        if request.num_output_tokens >= params.min_tokens or request.grammar is not None:
             continue
         blocked = set(request.eos_token_ids).union(params.stop_token_ids or ())
         rows.extend(itertools.repeat(i, len(blocked)))

@@ -3,8 +3,8 @@
 The order of a step, which follows vLLM:
   1. raw logprobs, if any row asked (OpenAI semantics: the model's own distribution,
      before any penalty, bias or temperature);
-  2. `process_logits`: logit bias, min_tokens mask, penalties (these change what greedy
-     rows pick too);
+  2. `process_logits`: logit bias, min_tokens mask, penalties, then the grammar mask of
+     constrained rows (these change what greedy rows pick too);
   3. greedy rows: argmax of the processed logits;
   4. random rows: temperature, min-p, top-k, top-p, then one draw per row.
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fornax.engine.outputs import TokenLogprobs
 from fornax.engine.sample.metadata import PenaltyMetadata, SamplingMetadata
+from fornax.engine.structured.backend import apply_bitmask
 
 # Top-p sorts only this many best logits at first, widening (x4) only for rows whose
 # nucleus is larger.
@@ -79,9 +80,12 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logit bias, then the min_tokens mask, then penalties. Never modifies `logits`.
+    """Logit bias, then the min_tokens mask, then penalties, then the grammar mask. Never
+    modifies `logits`.
 
-    The mask comes after the bias so that no bias can re-enable a blocked EOS.
+    The masks come after the bias so that no bias can re-enable a blocked token. The grammar
+    mask is one batched call over every row; unconstrained rows have every bit set and keep
+    their values bit for bit.
     """
     if not meta.needs_processing:
         return logits
@@ -96,6 +100,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
     if meta.penalties is not None:
         apply_penalties(logits, meta.penalties)
+    if meta.grammar_bitmask is not None:
+        apply_bitmask(logits, meta.grammar_bitmask)
     return logits
 
 
