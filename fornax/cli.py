@@ -107,6 +107,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="how tool calls are read from output under tool_choice=auto (auto: by chat template)")
     limits = p.add_argument_group("per-request limits")
     for name, kind in [("max_queued_requests", int), ("max_body_bytes", int), ("max_n", int),
                        ("max_tokens_limit", int), ("max_stop_strings", int), ("max_stop_string_chars", int),
@@ -275,6 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_top_logprobs=args.max_top_logprobs, max_messages=args.max_messages, max_prompts=args.max_prompts,
         max_queued_sequences=args.max_queued_sequences, max_request_tokens=args.max_request_tokens,
         privileged_keys=tuple(args.privileged_key),
+        tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )  # fmt: skip
     engine_config = EngineConfig(
         model=model, dtype=args.dtype, seed=args.seed,

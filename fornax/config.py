@@ -474,6 +474,9 @@ class ServerConfig:
     max_messages: int = 1024
     max_prompts: int = 64  # prompts in one /v1/completions batch
     retry_after_s: int = 1
+    # How `tool_choice: "auto"` output is read (fornax/tools/calls.py): "hermes", "llama3_json";
+    # None picks by the chat template.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from fornax.config import (
@@ -17,8 +18,10 @@ from fornax.config import (
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
+from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.outputs import CompletionOutput, RequestOutput
 from fornax.tokenizer import Tokenizer
+from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -122,15 +125,34 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to each conversation, then generate."""
+        """Apply the chat template to each conversation, then generate.
+
+        With `tools`, each output also carries `tool_calls` and `content` as the server's
+        message does (OpenAI's semantics for tool_choice; tools/plan.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls, tok.chat_template, tool_call_parser)
+        template_tools = plan.tools if plan.template_supports_tools else None
         prompts: list[Prompt] = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools, tokenize=True)
+            tok.apply_chat_template(prepare_messages(list(conv), plan.tools, plan.template_supports_tools),
+                                    add_generation_prompt=add_generation_prompt, tools=template_tools,
+                                    tokenize=True)  # fmt: skip
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params)
+        params = _as_params_list(sampling_params, len(prompts))
+        if plan.forced_schema is not None:  # the grammar makes the forced call's arguments valid
+            forced = StructuredOutputsParams(json=plan.forced_schema, origin="tools")
+            params = [replace(p, structured_outputs=forced) for p in params]
+        results = self.generate(prompts, params)
+        if plan.parser_name is not None:
+            for result in results:
+                for output in result.outputs:
+                    _read_tool_calls(plan, output)
+        return results
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[EngineOutput]:
         """Yield per-step deltas of one request as they are produced (used by `fornax chat`)."""
@@ -187,3 +209,11 @@ def _accumulate(result: RequestOutput, out: EngineOutput) -> None:
         if out.timings:
             result.timings = out.timings
         result.finished = all(c.finished for c in result.outputs)
+
+
+def _read_tool_calls(plan: ToolPlan, output: CompletionOutput) -> None:
+    parser = plan.new_parser()
+    assert parser is not None
+    output.content, calls = parse_complete(parser, output.text)
+    output.tool_calls = calls or None
+    output.finish_reason = tool_finish_reason(bool(calls), output.finish_reason)

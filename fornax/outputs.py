@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fornax.engine.outputs import TokenLogprobs
+from fornax.tools import ToolCall
 
 
 @dataclass
@@ -17,6 +18,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # the engine ended this sequence on an internal error (logged)
+    # LLM.chat with tools: the calls read from `text`, and the text that is not a call (None
+    # when there is none), as OpenAI's message.tool_calls and message.content.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

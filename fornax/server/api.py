@@ -39,6 +39,8 @@ from fornax.server.responses import (
     TokenText, chat_completion, chat_stream, collect, completion, completion_stream,
 )  # fmt: skip
 from fornax.server.state import ServerState
+from fornax.server.structured import compile_constraint, constraint_of, tool_plan
+from fornax.tools import prepare_messages
 
 # The two generation request shapes; _parse_generation_request returns the one it was given.
 _Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
@@ -111,11 +113,16 @@ async def models(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state, engine, req, model, k = await _parse_generation_request(request, ChatCompletionRequest)
     vocab = engine.model_config.vocab_size
+    tools = tool_plan(req, engine.tokenizer.chat_template, state.config.tool_call_parser)
+    constraint = constraint_of(req, tools)
     messages = check_messages(req.messages, state.config)
     check_text_fits(message_texts(messages), engine.max_model_len, "messages")
+    # Templates without tool support get the tools and the tool turns as text (tools/prompt.py).
+    messages = prepare_messages(messages, tools.tools, tools.template_supports_tools)
+    template_tools = tools.tools if tools.template_supports_tools else None
     try:
         ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
-                                      add_generation_prompt=True, tokenize=True)  # fmt: skip
+                                      add_generation_prompt=True, tools=template_tools, tokenize=True)  # fmt: skip
     except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
         raise bad_request(str(exc), param="messages") from None
     assert isinstance(ids, list)
@@ -123,20 +130,26 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = resolve_max_tokens(req.max_completion_tokens if use_new else req.max_tokens, len(ids),
                                     engine.max_model_len, state.config,
                                     "max_completion_tokens" if use_new else "max_tokens")  # fmt: skip
-    params = build_sampling_params(req, max_tokens, k, vocab)
+    if constraint is not None:
+        await compile_constraint(engine.compile_grammar, constraint)
+    params = build_sampling_params(req, max_tokens, k, vocab, constraint)
     gen = _generation(state, request, "chatcmpl", "chat", [ids], params, req.priority, req.stream)
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_stream(chat_stream(gen, model, k, text, include_usage))
+        return sse_stream(chat_stream(gen, model, k, text, include_usage, tools))
     await _run(request, gen)
-    return _json(chat_completion(gen, model, k, text))
+    return _json(chat_completion(gen, model, k, text, tools))
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state, engine, req, model, k = await _parse_generation_request(request, CompletionRequest)
     vocab = engine.model_config.vocab_size
+    for name in ("tools", "tool_choice"):
+        if getattr(req, name) not in (None, [], "none"):
+            raise bad_request(f"'{name}' is a chat completions feature (/v1/chat/completions)", param=name)
+    constraint = constraint_of(req)
     prompts = check_prompts(req.prompt, state.config)
     texts = [p for p in prompts if isinstance(p, str)]
     for text in texts:
@@ -147,7 +160,9 @@ async def completions(request: Request) -> Response:
     longest = max(prompt_ids, key=len)
     max_tokens = resolve_max_tokens(req.max_tokens, len(longest), engine.max_model_len, state.config,
                                     "max_tokens")  # fmt: skip
-    params = build_sampling_params(req, max_tokens, k, vocab)
+    if constraint is not None:
+        await compile_constraint(engine.compile_grammar, constraint)
+    params = build_sampling_params(req, max_tokens, k, vocab, constraint)
     echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if req.echo else None  # fmt: skip
     gen = _generation(state, request, "cmpl", "completions", prompt_ids, params, req.priority, req.stream)

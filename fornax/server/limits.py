@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from fornax.config import PRIORITY_RANGE, ServerConfig
 from fornax.engine.request import SamplingParams, SamplingParamsError
+from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.server.errors import ApiError, bad_request, validation_error
 from fornax.server.protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest, _SamplingFields,
@@ -114,6 +115,12 @@ def check_messages(messages: list[ChatMessage], config: ServerConfig) -> list[di
             entry["name"] = m.name
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ]  # fmt: skip
         out.append(entry)
     return out
 
@@ -276,7 +283,8 @@ def num_logprobs(req: ChatCompletionRequest | CompletionRequest, config: ServerC
 
 
 def build_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None, vocab_size: int
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and logprobs is not None
     try:
@@ -299,6 +307,7 @@ def build_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo_logprobs else None,
             num_speculative_tokens=req.num_speculative_tokens,
+            structured_outputs=structured_outputs,
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
@@ -307,29 +316,28 @@ def build_sampling_params(
 # ---- fields that are not implemented --------------------------------------------------------------
 
 # Fields that change what an answer means: ignoring them (as unknown fields are) would return
-# free text where the caller asked for JSON, a tool call or the best of several samples. Each
+# free text where the caller asked for a function call or the best of several samples. Each
 # maps to the values that ask for nothing beyond plain generation.
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's deprecated form of `tools`
     "function_call": (None, "none", "auto"),
-    "structured_outputs": (None,),
     "suffix": (None, ""),
 }
-_UNIMPLEMENTED_PREFIX = "guided_"  # vLLM's older structured-output fields
+# vLLM's older structured-output fields: guided_json/regex/choice/grammar are served
+# (server/structured.py); the others would change decoding in ways fornax does not implement.
+_GUIDED_SERVED = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar"})
+_GUIDED_HARMLESS = frozenset({"guided_decoding_backend"})  # fornax has one grammar engine
 
 
 def reject_unimplemented(body: dict[str, Any]) -> None:
     """400 naming the first field whose value asks for something fornax cannot do yet."""
     for name, harmless in _UNIMPLEMENTED.items():
         if name in body and body[name] not in harmless:
-            raise bad_request(f"'{name}' is not supported by this server yet; the request was not run",
+            raise bad_request(f"'{name}' is not supported by this server; the request was not run",
                               param=name, code="unsupported_parameter")  # fmt: skip
     for name, value in body.items():
-        if name.startswith(_UNIMPLEMENTED_PREFIX) and value is not None:
-            raise bad_request(f"'{name}' (guided decoding) is not supported by this server yet",
+        if name.startswith("guided_") and value is not None and name not in _GUIDED_SERVED | _GUIDED_HARMLESS:
+            raise bad_request(f"'{name}' is not supported by this server; use structured_outputs",
                               param=name, code="unsupported_parameter")  # fmt: skip
     best_of, n = body.get("best_of"), body.get("n", 1)
     if best_of is not None and best_of != n and best_of != 1:

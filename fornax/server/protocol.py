@@ -47,11 +47,38 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class ToolCallFunctionIn(_Request):
+    name: str = Field(max_length=64)
+    arguments: str = Field(default="{}", max_length=1 << 20)  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    """A call the assistant made in an earlier turn (sent back with the conversation)."""
+
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # `schema` is a BaseModel attribute; the alias keeps OpenAI's key on the wire.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Request):
@@ -81,6 +108,14 @@ class _SamplingFields(_Request):
     # vLLM's: requests share cached prompt blocks only with requests of the same salt (and, with
     # --prefix-cache-scope key, of the same API key). Bounded: it is hashed once per request.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Constrained output (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs (json, regex, choice, grammar, json_object) and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -88,12 +123,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI tools (fornax/tools): checked by tools.check_tools, so kept as plain JSON here.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    # Not a completions feature: read only to refuse them by name (api.completions).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -138,10 +180,23 @@ class ChatLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(_Response):
+    _omit_if_none = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -167,10 +222,27 @@ class ChatCompletion(_Envelope):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(_Response):
+    _omit_if_none = frozenset({"name"})
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(_Response):
+    """One streamed fragment of a call: id, type and name come once, on its first fragment."""
+
+    _omit_if_none = frozenset({"id", "type"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
-    _omit_if_none = frozenset({"role", "content"})
+    _omit_if_none = frozenset({"role", "content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

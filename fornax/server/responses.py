@@ -18,10 +18,11 @@ from fornax.server.errors import error_body
 from fornax.server.generation import Choice, Generation
 from fornax.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob,
-    Completion, CompletionChoice, CompletionLogprobs, DeltaMessage, PromptTokensDetails, ResponseMessage,
-    TopLogprob, Usage,
+    Completion, CompletionChoice, CompletionLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, TopLogprob, Usage,
 )  # fmt: skip
 from fornax.tokenizer import Tokenizer
+from fornax.tools import ToolCallDelta, ToolCallParser, ToolPlan, parse_complete, tool_finish_reason
 
 logger = logging.getLogger("fornax.server")
 SYSTEM_FINGERPRINT = f"fornax-{__version__}"
@@ -113,16 +114,22 @@ async def collect(gen: Generation) -> Generation:
     return gen
 
 
-def chat_completion(gen: Generation, model: str, k: int | None, text: TokenText) -> ChatCompletion:
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ResponseMessage(content=c.text),
-            logprobs=None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k)),
-            finish_reason=c.finish_reason,
-        )
-        for c in gen.choices
-    ]
+def chat_completion(
+    gen: Generation, model: str, k: int | None, text: TokenText, tools: ToolPlan | None = None
+) -> ChatCompletion:
+    choices = []
+    for c in gen.choices:
+        parser = tools.new_parser() if tools is not None else None
+        message, finish_reason = ResponseMessage(content=c.text), c.finish_reason
+        if parser is not None:
+            content, calls = parse_complete(parser, c.text)
+            message = ResponseMessage(content=content, tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls
+            ] or None)  # fmt: skip
+            finish_reason = tool_finish_reason(bool(calls), c.finish_reason)
+        logprobs = None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k))
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     return ChatCompletion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
                           fornax=gen.timings())  # fmt: skip
 
@@ -163,21 +170,44 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
+    """Parser fragments -> OpenAI's delta.tool_calls: id, type and name on a call's first one."""
+    return [
+        DeltaToolCall(index=d.index, id=d.id, type="function" if d.id is not None else None,
+                      function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+        for d in deltas
+    ] or None  # fmt: skip
+
+
 async def chat_stream(
-    gen: Generation, model: str, k: int | None, text: TokenText, include_usage: bool
-) -> AsyncIterator[str]:
+    gen: Generation, model: str, k: int | None, text: TokenText, include_usage: bool,
+    tools: ToolPlan | None = None,
+) -> AsyncIterator[str]:  # fmt: skip
     head = _head(gen, model, int(time.time()))
+    # One parser per choice: its text is split into content and tool-call fragments as it comes.
+    parsers: dict[int, ToolCallParser | None] = {
+        c.index: tools.new_parser() if tools is not None else None for c in gen.choices
+    }
     try:
         for c in gen.choices:
             role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
             yield sse(ChatCompletionChunk(**head, choices=[role]))
         async for c, out in gen.outputs():
             lp = None if k is None or not out.new_logprobs else ChatLogprobs(content=text.chat(out.new_logprobs, k))
-            if out.new_text or lp is not None:
-                delta = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=out.new_text), logprobs=lp)
-                yield sse(ChatCompletionChunk(**head, choices=[delta]))
+            parser = parsers[c.index]
+            content, calls = out.new_text, None
+            if parser is not None:
+                content, deltas = parser.feed(out.new_text)
+                if out.finished:
+                    rest, more = parser.finish()
+                    content, deltas = content + rest, deltas + more
+                calls = _delta_calls(deltas)
+            if content or calls or lp is not None:
+                delta = DeltaMessage(content=content if content or calls is None else None, tool_calls=calls)
+                yield sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)]))
             if out.finished:
-                end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)
+                reason = tool_finish_reason(parser.called, c.finish_reason) if parser is not None else c.finish_reason
+                end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
                 yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings()))
         if include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(gen)))

@@ -48,14 +48,11 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
 
 
 UNIMPLEMENTED = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    ("function_call", {"name": "f"}),
     ("best_of", 3),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("structured_outputs", {"choice": ["yes", "no"]}),
+    ("guided_whitespace_pattern", " *"),
+    ("suffix", "and then"),
 ]
 
 
@@ -69,8 +66,15 @@ def test_unimplemented_fields_are_refused_by_name(server, field: str, value: obj
 
 
 def test_fields_that_ask_for_nothing_more_are_accepted(server) -> None:
-    body = completion(response_format={"type": "text"}, tools=[], tool_choice="none", best_of=1)
+    body = completion(response_format={"type": "text"}, tools=[], tool_choice="none", best_of=1,
+                      guided_decoding_backend="xgrammar")  # fmt: skip
     assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_tools_on_completions_are_refused_by_name(server) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    error = assert_error(post(server, "/v1/completions", completion(tools=tools)), 400, param="tools")
+    assert "chat" in error["message"]
 
 
 def test_priority_is_bounded_and_negative_ones_are_privileged(server) -> None:
