@@ -142,7 +142,7 @@ def test_speculative_decoding_matches_plain_constrained_output(model_dir, llm, m
     tok = llm.get_tokenizer()
     # Repetitive prompts so n-gram drafts exist; some drafts break the grammar and must be refused.
     prompts = [tok.encode("abc-12 abc-12 abc-12 abc-12 ab"), *_prompts(llm)]
-    params = [_regex_params(), SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA})]
+    params = [_regex_params(min_tokens=3), SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA})]
     plain = llm.generate(prompts * 2, params * len(prompts))
     spec_llm = _llm(model_dir, speculative_config=spec)
     drafted = spec_llm.generate(prompts * 2, params * len(prompts))

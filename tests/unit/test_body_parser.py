@@ -104,7 +104,7 @@ INVALID = {
     "too deep": (b"[" * 100_000 + b"]" * 100_000, CompletionRequest),
     "type error": (body(prompt=[1, "a"]), CompletionRequest),
     "nested type error": (body(messages=[{"role": "user", "content": [{"text": "no type"}]}]), ChatCompletionRequest),
-    "unimplemented field": (body(prompt="x", tools=[{"type": "function"}]), CompletionRequest),
+    "unimplemented field": (body(prompt="x", functions=[{"name": "f"}]), CompletionRequest),
     "missing field": (body(prompt="x"), DetokenizeRequest),
 }
 

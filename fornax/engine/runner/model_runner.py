@@ -15,8 +15,7 @@ from fornax.engine.request import Request
 from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
-from fornax.engine.structured.backend import apply_bitmask
-from fornax.engine.structured.masks import MaskWorker
+from fornax.engine.structured.masks import GrammarMask, MaskWorker
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
@@ -77,8 +76,8 @@ class ModelRunner:
         requests = [r for _, r in sampling]
         self._ensure_generators(requests)
         sampling_meta = SamplingMetadata.build(requests, self.generators)
-        sampling_meta.grammar_bitmask = masks.sample
-        sampler_out = self.sampler(logits, sampling_meta)
+        sampling_meta.grammar_mask = masks.sample
+        sampler_out = self.sampler(logits, sampling_meta, consume_logits=True)
         token_ids = sampler_out.sampled_token_ids.tolist()
         for row, request in enumerate(requests):
             out.sampled[request.request_id] = token_ids[row]
@@ -89,23 +88,19 @@ class ModelRunner:
 
     def _verify_drafts(
         self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput,
-        grammar_bitmask: torch.Tensor | None = None,
+        grammar_mask: GrammarMask | None = None,
     ) -> None:
-        """Requests with drafts: target logits at their last k + 1 positions, then accept/reject.
-
-        Constrained requests verify against the grammar-masked target: a draft the grammar
-        forbids has probability 0 there and is rejected, and the token taken in its place
-        obeys the grammar, so outputs are the same as without drafts."""
+        """Requests with drafts: target logits at their last k + 1 positions, then accept/reject
+        (constrained ones against their grammar-masked target: rejection.verify_drafts)."""
         verifying = [(i, s) for i, s in enumerate(items) if s.spec_token_ids]
         if not verifying:
             return
         rows = np.concatenate([np.arange(ends[i] - len(s.spec_token_ids), ends[i] + 1) for i, s in verifying])
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])  # [sum(k + 1), vocab] float32
-        if grammar_bitmask is not None:
-            apply_bitmask(logits, grammar_bitmask)
         requests = [s.request for _, s in verifying]
         self._ensure_generators(requests)
-        result = verify_drafts(logits, requests, [s.spec_token_ids for _, s in verifying], self.generators)
+        drafts = [s.spec_token_ids for _, s in verifying]
+        result = verify_drafts(logits, requests, drafts, self.generators, grammar_mask)
         for request, tokens, logprobs in zip(requests, result.tokens, result.logprobs):
             out.spec_sampled[request.request_id] = tokens
             if logprobs is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fornax.engine.request import Request
+from fornax.engine.structured.masks import GrammarMask
 
 # torch.Generator accepts seeds in [-2**63, 2**64); SamplingParams validates that range.
 
@@ -70,9 +71,9 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None = None  # [M] long
     min_tokens_ids: torch.Tensor | None = None  # [M] long
     penalties: PenaltyMetadata | None = None
-    # Constrained decoding: one bit per (row, token), 0 = forbidden by the row's grammar; rows
-    # without a grammar have every bit set (engine/structured/masks.py). Set by the runner.
-    grammar_bitmask: torch.Tensor | None = None  # [num_reqs, vocab / 32] int32
+    # Constrained decoding: the constrained rows and their token bitmasks (0 = forbidden by the
+    # row's grammar; engine/structured/masks.py). Set by the runner; other rows are untouched.
+    grammar_mask: GrammarMask | None = None
     # -- logprobs --
     max_num_logprobs: int | None = None  # largest `logprobs` asked in the batch; None: nobody asked
     num_logprobs: list[int | None] = field(default_factory=list)  # per batch row
@@ -86,7 +87,7 @@ class SamplingMetadata:
         """True when any stage changes the logits before greedy argmax / temperature."""
         return (
             self.bias_rows is not None or self.min_tokens_rows is not None or self.penalties is not None
-            or self.grammar_bitmask is not None
+            or self.grammar_mask is not None
         )  # fmt: skip
 
     @classmethod

@@ -30,6 +30,8 @@ from fornax.engine.outputs import TokenLogprobs
 from fornax.engine.request import Request, SamplingParams
 from fornax.engine.sample.metadata import SamplingMetadata
 from fornax.engine.sample.sampler import filter_random_logits, gather_logprobs, process_logits
+from fornax.engine.structured.backend import GrammarState
+from fornax.engine.structured.masks import GrammarMask
 
 
 @dataclass
@@ -69,6 +71,10 @@ class DraftRow:
     def num_output_tokens(self) -> int:
         return self.request.num_output_tokens + len(self.drafts_before)
 
+    @property
+    def grammar(self) -> GrammarState | None:
+        return self.request.grammar
+
 
 @dataclass
 class VerifyResult:
@@ -81,9 +87,15 @@ def verify_drafts(
     requests: Sequence[Request],
     drafts: Sequence[list[int]],
     generators: dict[str, torch.Generator],
+    grammar_mask: GrammarMask | None = None,
 ) -> VerifyResult:
+    """Accept a prefix of each request's drafts and sample the token after it. Constrained
+    requests verify against the grammar-masked target (`grammar_mask`: the mask after each
+    prefix of their drafts), so a draft the grammar forbids has probability 0 and is rejected
+    and the token taken in its place obeys the grammar; logprobs stay the raw model's."""
     rows = [DraftRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
     meta = SamplingMetadata.build(rows, generators)  # type: ignore[arg-type]  # DraftRow duck-types Request
+    meta.grammar_mask = grammar_mask
     processed = process_logits(logits.float(), meta)  # [R, vocab]
     greedy_choice = None if meta.all_random else processed.argmax(dim=-1).tolist()  # [R]
     probs = None  # [num_random_rows, vocab], the exact distribution each random row samples from

@@ -62,12 +62,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, consume_logits: bool = False) -> SamplerOutput:
+        """`consume_logits`: the caller will not read `logits` again, so processing may
+        overwrite them instead of copying (the runner's case)."""
         logits = logits.float()  # [num_reqs, vocab]; a no-op for float32 input
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
-        logits = process_logits(logits, meta)
+        logits = process_logits(logits, meta, inplace=consume_logits)
         sampled = sample(logits, meta)  # [num_reqs]
         logprobs = None
         if raw_logprobs is not None:
@@ -79,18 +81,20 @@ class Sampler:
 # -- stage 2: processing shared by greedy and random rows --
 
 
-def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
     """Logit bias, then the min_tokens mask, then penalties, then the grammar mask. Never
-    modifies `logits`.
+    modifies `logits` unless `inplace` (then a contiguous `logits` is processed where it is:
+    copying [16, 49152] float32 cost ~0.3 ms a step).
 
     The masks come after the bias so that no bias can re-enable a blocked token. The grammar
-    mask is one batched call over every row; unconstrained rows have every bit set and keep
-    their values bit for bit.
+    mask is one batched call over the constrained rows; the other rows are never touched.
     """
     if not meta.needs_processing:
         return logits
-    # The caller's tensor stays the model's output; contiguous so penalties can use a flat view.
-    logits = logits.clone(memory_format=torch.contiguous_format)  # [num_reqs, vocab]
+    # The caller's tensor stays the model's output unless it gave it up; contiguous so penalties
+    # can use a flat view.
+    if not (inplace and logits.is_contiguous()):
+        logits = logits.clone(memory_format=torch.contiguous_format)  # [num_reqs, vocab]
     if meta.bias_rows is not None:
         assert meta.bias_ids is not None and meta.bias_values is not None
         # (row, id) pairs are unique (dict keys per row), so a plain indexed add is exact.
@@ -100,8 +104,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits[meta.min_tokens_rows, meta.min_tokens_ids] = float("-inf")
     if meta.penalties is not None:
         apply_penalties(logits, meta.penalties)
-    if meta.grammar_bitmask is not None:
-        apply_bitmask(logits, meta.grammar_bitmask)
+    if meta.grammar_mask is not None:
+        apply_bitmask(logits, meta.grammar_mask.bitmask, meta.grammar_mask.rows)
     return logits
 
 
