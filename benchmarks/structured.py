@@ -5,15 +5,17 @@ In one run, on the default model with `make run`'s weight forms (--quantization 
 
   constrained    chat prompts asking for a product catalogue, `structured_outputs.json`
                  with a schema (arrays of objects, enums, bounded numbers), greedy;
+                 twice: masks filled on a worker thread during the forward ("json+overlap",
+                 the default) and after it on the engine thread ("json");
   free           the same prompts without a constraint, each request's max_tokens set to
                  the length its constrained twin produced and EOS ignored, so both decode
                  exactly as many tokens per request.
 
 Decode throughput is tokens after the first / (last token of the batch - first token of
-the batch); the two alternate --repeats times and the ratio quoted is the median of the
-per-pair ratios. Also reported: the mask worker's CPU time per constrained row (one row
-= one token's mask), how much of it the step still waited for after its forward (the
-rest overlapped), and cold compile times of the 20-schema corpus
+the batch); the three alternate --repeats times (order reversed every other round) and each
+ratio quoted is the median of the per-round ratios to free. Also reported: CPU time per mask
+(one constrained row = one token's mask), the time a step spent on masks after its forward
+(filling them, or waiting for the worker), and cold compile times of the 20-schema corpus
 (tests/structured/schemas.py).
 
     python benchmarks/structured.py
@@ -84,43 +86,41 @@ def _decode_rate(outputs) -> tuple[float, list[int]]:
 def run(llm: LLM, streams: int, repeats: int) -> dict:
     prompts = _prompts(llm, streams)
     constrained = SamplingParams(temperature=0.0, max_tokens=400, structured_outputs={"json": CATALOG})
+    masks = llm.engine.runner.masks
     # Warm-up: compiles the grammar, fills the caches, and gives each request's output length
     # (greedy: every constrained run repeats it) for its free twin.
     warm = llm.generate(prompts, constrained)
-    lengths_seen = [len(o.outputs[0].token_ids) for o in warm]
-    masks = llm.engine.runner.masks
-    ratios, con_rates, free_rates, fill_us, wait_us = [], [], [], [], []
-    truncated = 0
+    lengths = [len(o.outputs[0].token_ids) for o in warm]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    # "json+overlap": masks filled on a worker thread during the forward (the default);
+    # "json": filled after the forward, on the engine thread.
+    kinds = ["free", "json", "json+overlap"]
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    mask_cpu_us: dict[str, list[float]] = {k: [] for k in kinds[1:]}
+    mask_step_us: dict[str, list[float]] = {k: [] for k in kinds[1:]}
     for rep in range(repeats):
-        order = ["constrained", "free"] if rep % 2 == 0 else ["free", "constrained"]
-        rates: dict[str, float] = {}
-        for kind in order:
-            if kind == "constrained":
-                steps, rows, fill, wait = masks.num_steps, masks.num_rows, masks.fill_seconds, masks.wait_seconds
-                out = llm.generate(prompts, constrained)
-                rates[kind], _ = _decode_rate(out)
-                truncated = sum(o.outputs[0].finish_reason != "stop" for o in out)
-                fill_us.append((masks.fill_seconds - fill) / max(masks.num_rows - rows, 1) * 1e6)
-                wait_us.append((masks.wait_seconds - wait) / max(masks.num_steps - steps, 1) * 1e6)
-            else:
-                free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths_seen]
-                rates[kind], _ = _decode_rate(llm.generate(prompts, free))
-        con_rates.append(rates["constrained"])
-        free_rates.append(rates["free"])
-        ratios.append(rates["constrained"] / rates["free"])
-    return {
-        "streams": streams,
-        "constrained_tok_s": statistics.median(con_rates),
-        "free_tok_s": statistics.median(free_rates),
-        "ratio": statistics.median(ratios),
-        "ratios": ratios,
-        "mean_output_tokens": statistics.mean(lengths_seen),
-        # Outputs that hit max_tokens before their JSON closed (the model rambling inside a
-        # string): still decoded under the grammar, so they count alike in both rates.
-        "truncated_outputs": truncated,
-        "mask_fill_us_per_token": statistics.median(fill_us),
-        "mask_wait_us_per_step": statistics.median(wait_us),
-    }
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+            if kind == "free":
+                rates[kind].append(_decode_rate(llm.generate(prompts, free))[0])
+                continue
+            masks.overlap = kind == "json+overlap"
+            steps, rows, fill, wait = masks.num_steps, masks.num_rows, masks.fill_seconds, masks.wait_seconds
+            out = llm.generate(prompts, constrained)
+            rates[kind].append(_decode_rate(out)[0])
+            mask_cpu_us[kind].append((masks.fill_seconds - fill) / max(masks.num_rows - rows, 1) * 1e6)
+            mask_step_us[kind].append((masks.wait_seconds - wait) / max(masks.num_steps - steps, 1) * 1e6)
+    masks.overlap = True  # back to the default
+    result = {"streams": streams, "free_tok_s": statistics.median(rates["free"]),
+              "mean_output_tokens": statistics.mean(lengths),
+              # Outputs that hit max_tokens before their JSON closed (the model rambling inside
+              # a string): still decoded under the grammar, and their free twins as long.
+              "truncated_outputs": sum(o.outputs[0].finish_reason != "stop" for o in warm)}  # fmt: skip
+    for kind in kinds[1:]:
+        ratios = [c / f for c, f in zip(rates[kind], rates["free"])]
+        result[kind] = {"tok_s": statistics.median(rates[kind]), "ratio": statistics.median(ratios),
+                        "ratios": ratios, "mask_cpu_us_per_token": statistics.median(mask_cpu_us[kind]),
+                        "mask_us_per_step_after_forward": statistics.median(mask_step_us[kind])}  # fmt: skip
+    return result
 
 
 def compile_times(llm: LLM) -> dict:
@@ -149,13 +149,16 @@ def main() -> None:
     c = results["compile"]
     print(f"grammar compile ({c['num_schemas']} schemas, cold): median {c['compile_ms_median']:.1f} ms, "
           f"max {c['compile_ms_max']:.1f} ms; xgrammar import + tokenizer table {c['tokenizer_setup_ms']:.0f} ms once")  # fmt: skip
-    print(f"{'streams':>7} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6} {'tokens':>7} "
-          f"{'mask us/tok':>11} {'wait us/step':>12} {'cut':>4}")  # fmt: skip
+    print(f"{'streams':>7} {'free tok/s':>10} {'mode':>13} {'tok/s':>7} {'ratio':>6} {'tokens':>6} "
+          f"{'mask us/tok':>11} {'after fwd us/step':>17} {'cut':>4}")  # fmt: skip
     for streams in (int(s) for s in args.streams.split(",")):
         r = run(llm, streams, args.repeats)
         results["decode"].append(r)
-        print(f"{streams:>7} {r['free_tok_s']:>11.1f} {r['constrained_tok_s']:>11.1f} {r['ratio']:>6.3f} "
-              f"{r['mean_output_tokens']:>7.0f} {r['mask_fill_us_per_token']:>11.1f} {r['mask_wait_us_per_step']:>12.1f} {r['truncated_outputs']:>4}")
+        for kind in ("json", "json+overlap"):
+            m = r[kind]
+            print(f"{streams:>7} {r['free_tok_s']:>10.1f} {kind:>13} {m['tok_s']:>7.1f} {m['ratio']:>6.3f} "
+                  f"{r['mean_output_tokens']:>6.0f} {m['mask_cpu_us_per_token']:>11.1f} "
+                  f"{m['mask_us_per_step_after_forward']:>17.1f} {r['truncated_outputs']:>4}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -177,3 +177,20 @@ def test_grammars_are_cached_by_content(llm):
     backend.compile(StructuredOutputsParams(json=reordered))
     backend.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))
     assert backend.num_compiled - before <= 1
+
+
+def test_masks_filled_beside_the_forward_or_after_it_give_the_same_outputs(model_dir):
+    # The default fills masks on a worker during the forward; inline (after it) is kept for
+    # measurement. Both must give the same tokens.
+    results = []
+    for overlap in (False, True):
+        llm = _llm(model_dir)
+        llm.engine.runner.masks.overlap = overlap
+        prompts = _prompts(llm)
+        params = [_regex_params(), SamplingParams(max_tokens=40, temperature=0.7, seed=1,
+                                                  structured_outputs={"json": SCHEMA})]  # fmt: skip
+        outs = llm.generate(prompts * 2, params * len(prompts))
+        results.append([o.outputs[0].token_ids for o in outs])
+        assert llm.engine.runner.masks.num_steps > 0
+        assert (llm.engine.runner.masks._pool is not None) == overlap
+    assert results[0] == results[1]

@@ -1,10 +1,15 @@
-"""This step's grammar masks, computed on a worker thread while the model's forward runs.
+"""This step's grammar masks, filled on a worker thread while the model's forward runs.
 
 Every mask a step needs is known when the step is scheduled: a constrained sequence's
 matcher already holds all its accepted tokens, and its drafts (if any) are fixed. So the
-runner starts the masks before the forward and collects them before sampling; xgrammar
-releases the GIL while it fills a mask, so the two overlap and the masks leave the step's
-critical path (benchmarks/structured.py measures what is left).
+runner hands them to a worker before the forward and collects them before sampling.
+
+On this 2-core machine the forward takes every core, so the worker is not free: beside the
+forward a mask costs ~65 us of CPU instead of ~3 us on a warm core. Filled after the forward
+instead they cost ~100 us each on the critical path (its weights have evicted xgrammar's
+tables from the caches). Side by side (benchmarks/structured.py, 2026-12-04) the worker won
+at 1 and 16 streams: 0.923 vs 0.903 and 0.979 vs 0.951 of free decode. `overlap=False`
+keeps the inline path for measurements like that one.
 
 Row numbers match the runner's logits: one row per sampled sequence (`sample`), and k + 1
 rows per sequence verifying k drafts (`verify`); only constrained rows get a mask row.
@@ -35,33 +40,49 @@ class StepMasks:
     verify: GrammarMask | None  # rows of the verification logits (k + 1 per sequence)
 
 
+@dataclass
+class _Deferred:
+    """Masks to fill in `collect`, after the forward (overlap off)."""
+
+    sampling: list[ScheduledRequest]
+    verifying: list[ScheduledRequest]
+
+
 class MaskWorker:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, overlap: bool = True) -> None:
         self.vocab_size = vocab_size
-        self._pool: ThreadPoolExecutor | None = None  # started by the first constrained step
-        # What overlapping buys, for benchmarks/structured.py: the worker's CPU seconds spent
-        # filling masks, and the seconds the step still waited for them after its forward.
+        self.overlap = overlap  # False: fill the masks in `collect`, after the forward
+        self._pool: ThreadPoolExecutor | None = None  # started by the first overlapped step
+        # For benchmarks/structured.py: CPU seconds spent filling masks, and the seconds the
+        # step spent on them after its forward (waiting, or filling them itself).
         self.num_steps = 0
         self.num_rows = 0  # constrained rows filled
         self.fill_seconds = 0.0
         self.wait_seconds = 0.0
 
-    def start(self, items: list[ScheduledRequest]) -> Future[StepMasks] | None:
-        """Begin filling this step's masks; None when no scheduled sequence is constrained."""
+    def start(self, items: list[ScheduledRequest]) -> Future[StepMasks] | _Deferred | None:
+        """Begin filling this step's masks (or note them for `collect`); None when no
+        scheduled sequence is constrained."""
         if all(s.request.grammar is None for s in items):
             return None
         sampling = [s for s in items if s.samples and not s.spec_token_ids]
         verifying = [s for s in items if s.spec_token_ids]
+        if not self.overlap:
+            return _Deferred(sampling, verifying)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fornax-grammar")
         return self._pool.submit(self._fill, sampling, verifying)
 
-    def collect(self, pending: Future[StepMasks] | None) -> StepMasks:
-        """The masks `start` began (waiting for them if the forward was quicker)."""
+    def collect(self, pending: Future[StepMasks] | _Deferred | None) -> StepMasks:
+        """The step's masks: those `start` began (waiting if the forward was quicker), or
+        filled now."""
         if pending is None:
             return StepMasks(None, None)
         start = time.perf_counter()
-        masks = pending.result()
+        if isinstance(pending, _Deferred):
+            masks = self._fill(pending.sampling, pending.verifying)
+        else:
+            masks = pending.result()
         self.wait_seconds += time.perf_counter() - start
         self.num_steps += 1
         return masks
