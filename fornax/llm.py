@@ -18,7 +18,6 @@ from fornax.config import (
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
-from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.outputs import CompletionOutput, RequestOutput
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
@@ -144,8 +143,8 @@ class LLM:
             for conv in conversations  # type: ignore[union-attr]
         ]
         params = _as_params_list(sampling_params, len(prompts))
-        if plan.forced_schema is not None:  # the grammar makes the forced call's arguments valid
-            forced = StructuredOutputsParams(json=plan.forced_schema, origin="tools")
+        forced = plan.forced_constraint()  # the grammar makes a forced call's arguments valid
+        if forced is not None:
             params = [replace(p, structured_outputs=forced) for p in params]
         results = self.generate(prompts, params)
         if plan.parser_name is not None:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from fornax.config import PRIORITY_RANGE, ServerConfig
 from fornax.engine.request import SamplingParams, SamplingParamsError
-from fornax.engine.structured.spec import StructuredOutputsParams
+from fornax.engine.structured.spec import GUIDED_FIELDS, StructuredOutputsParams
 from fornax.server.errors import ApiError, bad_request, validation_error
 from fornax.server.protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest, _SamplingFields,
@@ -325,7 +325,7 @@ _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 # vLLM's older structured-output fields: guided_json/regex/choice/grammar are served
 # (server/structured.py); the others would change decoding in ways fornax does not implement.
-_GUIDED_SERVED = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar"})
+_GUIDED_SERVED = frozenset(GUIDED_FIELDS)
 _GUIDED_HARMLESS = frozenset({"guided_decoding_backend"})  # fornax has one grammar engine
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fornax.engine.structured.spec import StructuredOutputsError, StructuredOutputsParams
+from fornax.engine.structured.spec import GUIDED_FIELDS, StructuredOutputsError, StructuredOutputsParams
 from fornax.server.errors import bad_request
 from fornax.server.protocol import ChatCompletionRequest, CompletionRequest
 from fornax.tools import ToolPlan, ToolsError, plan_tools
 
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def tool_plan(req: ChatCompletionRequest, template: str | None, configured_parser: str | None) -> ToolPlan:
@@ -40,12 +39,13 @@ def constraint_of(
             found.append(("response_format", _from_response_format(req)))
         if req.structured_outputs is not None:
             found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
-        for field, kind in _GUIDED.items():
+        for field, kind in GUIDED_FIELDS.items():
             value = getattr(req, field)
             if value is not None:
                 found.append((field, StructuredOutputsParams(**{kind: value}, origin=field)))
-        if tools is not None and tools.forced_schema is not None:
-            found.append(("tool_choice", StructuredOutputsParams(json=tools.forced_schema, origin="tools")))
+        forced = tools.forced_constraint() if tools is not None else None
+        if forced is not None:
+            found.append(("tool_choice", forced))
     except StructuredOutputsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     if len(found) > 1:

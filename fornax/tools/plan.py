@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.tools.calls import ToolCallParser, make_parser
 from fornax.tools.prompt import check_tools, default_parser, forced_tool_schema, template_supports_tools
 
@@ -21,6 +22,12 @@ class ToolPlan:
     parser_name: str | None  # None: the output is plain content
     function_name: str | None = None  # the function tool_choice names
     forced_schema: dict[str, Any] | None = None  # the grammar's JSON schema when a call is forced
+
+    def forced_constraint(self) -> StructuredOutputsParams | None:
+        """The grammar constraint that forces the call (errors point at `tools`), or None."""
+        if self.forced_schema is None:
+            return None
+        return StructuredOutputsParams(json=self.forced_schema, origin="tools")
 
     def new_parser(self) -> ToolCallParser | None:
         """A fresh parser for one generated sequence (None: no tool calls to read)."""

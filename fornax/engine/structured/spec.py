@@ -19,6 +19,8 @@ MAX_REGEX_CHARS = 8 * 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 * 1024  # all choices together
+# vLLM's older request fields, each one of the constraint kinds below.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StructuredOutputsError(ValueError):
