@@ -15,12 +15,15 @@ from collections.abc import Callable
 from fornax.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    KV_OFFLOAD_DTYPES,
+    PREEMPTION_MODES,
     SERVE_MAX_NUM_BATCHED_TOKENS,
     SMALL_STEP_MAX_ROWS,
     SMALL_STEP_MAX_ROWS_W8A8,
     CacheConfig,
     ConfigError,
     EngineConfig,
+    OffloadConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -128,7 +131,32 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
+    _add_offload_args(p)
     _add_spec_args(p)
+
+
+def _add_offload_args(p: argparse.ArgumentParser) -> None:
+    tiers, defaults = p.add_argument_group("KV cache tiers"), OffloadConfig()
+    tiers.add_argument("--kv-offload-memory", default=None,
+                       help="host-memory tier (e.g. 4GiB): evicted prefix blocks are kept there and loaded "
+                            "back on a hit instead of recomputed; preempted requests swap to it")  # fmt: skip
+    tiers.add_argument("--kv-offload-dir", default=None,
+                       help="disk tier directory: blocks persist across restarts (needs --kv-offload-memory)")
+    tiers.add_argument("--kv-offload-disk", default="20GiB", help="the disk tier's size bound (LRU)")
+    tiers.add_argument("--kv-offload-dtype", default=defaults.dtype, choices=list(KV_OFFLOAD_DTYPES),
+                       help="form of offloaded blocks: auto (the KV cache's own, exact) or int8 (half of bf16)")
+    tiers.add_argument("--preemption-mode", default=None, choices=list(PREEMPTION_MODES),
+                       help="what preemption does with a request's KV: swap it to the host tier (the default "
+                            "with one) or recompute it")  # fmt: skip
+
+
+def offload_config(args: argparse.Namespace) -> OffloadConfig:
+    from fornax.config import parse_memory_size
+
+    memory = parse_memory_size(args.kv_offload_memory) if args.kv_offload_memory else 0
+    return OffloadConfig(host_memory=memory, disk_dir=args.kv_offload_dir,
+                         disk_bytes=parse_memory_size(args.kv_offload_disk), dtype=args.kv_offload_dtype,
+                         preemption_mode=args.preemption_mode)  # fmt: skip
 
 
 def _add_tenancy_args(p: argparse.ArgumentParser) -> None:
@@ -290,6 +318,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
         speculative=speculative_config(args),
+        offload=offload_config(args),
     )  # fmt: skip
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(server_config, engine_config)

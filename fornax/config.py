@@ -108,6 +108,50 @@ class CacheConfig:
             raise ConfigError("kv_cache_memory must be positive")
 
 
+KV_OFFLOAD_DTYPES = ("auto", "int8")  # auto: the primary pool's own form
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """KV cache tiers below the primary pool (engine/kv/offload): host memory, then disk.
+
+    Tier 1 (`host_memory` bytes) keeps blocks evicted from the primary pool, and the blocks of
+    preempted requests when preemption swaps; tier 2 (`disk_dir`, at most `disk_bytes`) keeps
+    every block tier 1 receives, across restarts. A tier-2 directory needs tier 1: blocks reach
+    the disk through it.
+    """
+
+    host_memory: int = 0  # bytes; 0: no tiers at all
+    disk_dir: str | None = None
+    disk_bytes: int = 20 * GiB
+    # "auto": the primary pool's form, so a block comes back bit for bit; "int8": int8 rows with
+    # a float32 scale per token and KV head (layers/kv_pool.py), half of bf16's bytes per block.
+    dtype: str = "auto"
+    # None: "swap" when tier 1 exists, else "recompute".
+    preemption_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_memory < 0 or self.disk_bytes <= 0:
+            raise ConfigError("kv offload sizes must be positive (host memory 0 turns the tiers off)")
+        if self.dtype not in KV_OFFLOAD_DTYPES:
+            raise ConfigError(f"kv offload dtype must be one of {', '.join(KV_OFFLOAD_DTYPES)}, got {self.dtype!r}")
+        if self.disk_dir is not None and not self.host_memory:
+            raise ConfigError("--kv-offload-dir needs --kv-offload-memory: blocks reach the disk tier through host memory")
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ConfigError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.host_memory:
+            raise ConfigError("preemption mode 'swap' needs a host tier (--kv-offload-memory)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_memory > 0
+
+    @property
+    def swap(self) -> bool:
+        return self.enabled and self.preemption_mode != "recompute"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits for one engine step."""
@@ -295,6 +339,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

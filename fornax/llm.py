@@ -11,6 +11,7 @@ from fornax.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
+    OffloadConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_memory_size,
@@ -53,6 +54,11 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        kv_offload_memory: int | float | str = 0,
+        kv_offload_dir: str | None = None,
+        kv_offload_disk: int | float | str = "20GiB",
+        kv_offload_dtype: str = "auto",
+        preemption_mode: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -78,10 +84,22 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
             speculative=SpeculativeConfig.from_dict(speculative_config),
+            offload=OffloadConfig(
+                host_memory=parse_memory_size(kv_offload_memory) if kv_offload_memory else 0,
+                disk_dir=None if kv_offload_dir is None else str(kv_offload_dir),
+                disk_bytes=parse_memory_size(kv_offload_disk),
+                dtype=kv_offload_dtype,
+                preemption_mode=preemption_mode,
+            ),
             seed=seed,
         )
         self.engine: EngineCore = build_engine_core(config, progress=progress)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Persist what the KV disk tier still holds in memory (pending writes); the engine stays
+        usable. A no-op without tiers."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -61,11 +61,18 @@ class EngineCore:
         max_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks)
         self.runner = ModelRunner(
             loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.kernel_backend,
             cache.kv_cache_dtype,
         )
+        connector = None
+        if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
+            from fornax.engine.kv.offload.build import build_connector
+
+            connector = build_connector(config, loaded)
+            self.runner.kv_connector = connector
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
+                                   swap=config.offload.swap)  # fmt: skip
         self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
         # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
         self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
@@ -282,9 +289,19 @@ class EngineCore:
         if all(c not in self.seqs for c in siblings):
             self.children.pop(seq.parent_id, None)
 
+    def close(self) -> None:
+        """Flush what must outlive the process: blocks finished requests left for the KV disk
+        tier, and its queued writes. Call with the engine idle (the server's drain, LLM.close)."""
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.close(self.runner.kv_cache)
+
     # -- introspection for metrics, tests and the UI --
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()
+        connector = self.scheduler.connector
+        if connector is not None:
+            connector.check_integrity()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fornax.engine.kv.offload.connector import TransferPlan
 from fornax.engine.request import Request
 
 
@@ -45,6 +46,8 @@ class SchedulerOutput:
     # Preempted requests are listed apart and keep theirs (their RNG state goes on).
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # KV tier copies to carry out before the forward pass (engine/kv/offload); None: none.
+    kv_transfers: TransferPlan | None = None
 
     @property
     def is_empty(self) -> bool:

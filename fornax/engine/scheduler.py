@@ -10,6 +10,11 @@ schedule() never advances num_computed_tokens (ScheduledRequest.start reads it);
 update_from_output() does, once the tokens are really computed.
 
 Every release of KV blocks (finish, abort, preemption) goes through `_free` (rule 6).
+
+With KV tiers (engine/kv/offload) a connector supplies more of a request's prefix than the
+primary cache holds: those tokens are allocated like any others and count as computed, and the
+connector's plan for the step (what to save, what to load) rides on the SchedulerOutput.
+Preemption can swap a request's blocks out instead of dropping them (`swap` below).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Iterator
 
 from fornax.config import CacheConfig, SchedulerConfig
 from fornax.engine.kv.manager import KVCacheManager, cdiv
+from fornax.engine.kv.offload.connector import KVConnector
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request, RequestStatus
 
@@ -73,11 +79,20 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        connector: KVConnector | None = None, swap: bool = False,
+    ) -> None:  # fmt: skip
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        # KV tiers below the primary pool, and whether a preemption swaps to them (else recomputes).
+        self.connector = connector
+        self.swap = swap and connector is not None
+        if connector is not None:
+            self.kv.record_evictions()
+            connector.bind_block_hashes(self.kv.block_hash)
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order; FCFS preempts from the end
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -157,6 +172,8 @@ class Scheduler:
 
         The caller has already taken the request out of `running`/`waiting` and set its status.
         """
+        if self.connector is not None and request.is_finished:
+            self.connector.request_finished(request, self.kv.cached_blocks(request))
         self.kv.free(request)
         if request.is_finished:
             request.times.finished = time.monotonic()
@@ -164,9 +181,15 @@ class Scheduler:
             self._finished_ids.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request and queue it to recompute prompt + outputs from scratch."""
+        """Free a running request and queue it to recompute prompt + outputs from scratch, or,
+        in swap mode, to load its computed blocks back from the host tier."""
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
+        if self.swap and request.num_computed_tokens > 0:
+            assert self.connector is not None
+            n = request.num_computed_tokens
+            table = self.kv.get_block_ids(request.request_id)[: cdiv(n, self.block_size)]
+            self.connector.swap_out(request, table, n)  # no room: it recomputes instead
         self._free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -203,11 +226,17 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, set()
         batch = list(scheduled.values())
+        transfers = None
+        if self.connector is not None:
+            # After every lookup has pinned what it loads: saving evicted blocks may evict tier 1.
+            self.connector.on_blocks_evicted(self.kv.take_evicted())
+            transfers = self.connector.build_connector_meta()
         return SchedulerOutput(
             scheduled=batch,
             num_batched_tokens=sum(s.num_new_tokens for s in batch),
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            kv_transfers=transfers,
         )
 
     def _schedule_running(
@@ -264,21 +293,40 @@ class Scheduler:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = self._chunk(request.num_tokens - num_hit, budget)
-            block_ids = self.kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            hit_blocks, num_hit, num_external = self._lookup(request)
+            num_new = self._chunk(request.num_tokens - num_hit - num_external, budget)
+            # Tokens a tier supplies need blocks like computed ones, but no budget.
+            block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks, num_hit)
+            if self.connector is not None and num_external:
+                num_external = self.connector.update_state_after_alloc(request, block_ids, num_hit, num_external)
             if block_ids is None:
                 break  # never preempt running work to admit new work; wait for room
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # the first admission only, not a resume
-                request.num_cached_tokens = num_hit
-            request.num_computed_tokens = num_hit  # the hit is computed already: start after it
+                request.num_cached_tokens = num_hit + num_external
+            # The hit is computed already: start after it. A tier load shorter than its lookup
+            # (a damaged disk chunk) leaves blocks allocated ahead; later steps fill them.
+            request.num_computed_tokens = num_hit + num_external
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
             self.running.append(request)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
             budget -= num_new
+
+    def _lookup(self, request: Request) -> tuple[list[int], int, int]:
+        """(primary hit blocks, their tokens, tokens the tiers add after them) for an admission.
+
+        A swapped-out request takes all its computed tokens back from its swap slots instead.
+        """
+        if self.connector is not None:
+            swapped = self.connector.num_swapped_tokens(request)
+            if swapped:
+                return [], 0, swapped
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return hit_blocks, num_hit, 0
+        return hit_blocks, num_hit, self.connector.get_num_new_matched_tokens(request, num_hit)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

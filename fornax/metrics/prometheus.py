@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from fornax.engine.async_engine import StepStats
+    from fornax.engine.kv.offload.tiered import OffloadStats
     from fornax.server.state import RequestRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -72,6 +73,7 @@ class EngineSnapshot:
     prefix_cache_hits: int
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    offload: OffloadStats | None = None  # KV tiers, when the engine has them
 
 
 def snapshot_engine(core: object) -> EngineSnapshot:
@@ -87,6 +89,7 @@ def snapshot_engine(core: object) -> EngineSnapshot:
         prefix_cache_hits=kv.prefix_cache_hits,
         spec_num_draft_tokens=sched.spec_num_draft_tokens_total,
         spec_num_accepted_tokens=sched.spec_num_accepted_tokens_total,
+        offload=sched.connector.stats() if sched.connector is not None else None,
     )
 
 
@@ -147,9 +150,55 @@ class Metrics:
                                     "Per speculating request: accepted / proposed draft tokens.",
                                     tuple(i / 10 for i in range(1, 11)))  # fmt: skip
         self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0}
+        self._init_offload(model_name)
         # Last token time per (engine request id, choice index): touched by the engine thread only.
         self._last_token: dict[tuple[str, int], float] = {}
         self._last_prune = time.time()  # StepStats.time is wall-clock time
+
+    def _init_offload(self, model_name: str) -> None:
+        """KV tiers (engine/kv/offload): zero unless the engine has them."""
+        reg = self.registry
+
+        def labelled(kind: type, name: str, doc: str, label: str, values: tuple[str, ...], **kw):  # type: ignore[no-untyped-def]
+            metric = kind(f"fornax:{name}", doc, ["model_name", label], registry=reg, **kw)
+            return {v: metric.labels(model_name, v) for v in values}
+
+        self.offload_hits = labelled(Counter, "kv_offload_hit_tokens",
+                                     "Prompt tokens loaded from a KV tier instead of recomputed, by tier.",
+                                     "tier", ("host", "disk"))  # fmt: skip
+        self.offload_bytes = labelled(Counter, "kv_offload_bytes", "Bytes of KV moved between tiers, by direction.",
+                                      "direction", ("to_host", "from_host", "to_disk", "from_disk"))  # fmt: skip
+        self.offload_seconds = labelled(Histogram, "kv_offload_transfer_seconds",
+                                        "Time of one step's KV copies: save (to host), load (to the primary "
+                                        "pool), disk_read (reading and verifying chunks).",
+                                        "kind", ("save", "load", "disk_read"), buckets=STEP_SECONDS_BUCKETS)  # fmt: skip
+        self.offload_usage = labelled(Gauge, "kv_offload_usage_perc", "Fraction of a KV tier in use (0..1).",
+                                      "tier", ("host", "disk"))  # fmt: skip
+        self.offload_swaps = labelled(Counter, "kv_offload_swaps", "Preempted requests swapped out / back in.",
+                                      "direction", ("out", "in"))  # fmt: skip
+        self.offload_corrupt = Counter("fornax:kv_offload_corrupt_chunks",
+                                       "Disk chunks that failed their checks and were recomputed.",
+                                       ["model_name"], registry=reg).labels(model_name)  # fmt: skip
+        self._offload_mirrored: dict[str, int] = {}
+
+    def _refresh_offload(self, o: OffloadStats) -> None:
+        totals = {("hits", "host"): o.hit_tokens_host, ("hits", "disk"): o.hit_tokens_disk,
+                  ("bytes", "to_host"): o.bytes_to_host, ("bytes", "from_host"): o.bytes_from_host,
+                  ("bytes", "to_disk"): o.bytes_to_disk, ("bytes", "from_disk"): o.bytes_from_disk,
+                  ("swaps", "out"): o.swapped_out, ("swaps", "in"): o.swapped_in,
+                  ("corrupt", ""): o.corrupt_chunks}  # fmt: skip
+        for (kind, label), total in totals.items():
+            key = f"{kind}:{label}"
+            delta = total - self._offload_mirrored.get(key, 0)
+            if delta > 0:
+                target = {"hits": self.offload_hits, "bytes": self.offload_bytes,
+                          "swaps": self.offload_swaps}.get(kind)  # fmt: skip
+                (target[label] if target is not None else self.offload_corrupt).inc(delta)
+                self._offload_mirrored[key] = total
+        for kind, seconds in o.transfer_times:
+            self.offload_seconds[kind].observe(seconds)
+        self.offload_usage["host"].set(o.host_blocks_used / o.host_blocks_total if o.host_blocks_total else 0.0)
+        self.offload_usage["disk"].set(o.disk_bytes_used / o.disk_bytes_total if o.disk_bytes_total else 0.0)
 
     # -- feeds --
     def on_record(self, record: RequestRecord) -> None:
@@ -222,6 +271,8 @@ class Metrics:
             if delta > 0:
                 counter.inc(delta)
             self._mirrored[key] = max(total, self._mirrored[key])
+        if snap.offload is not None:
+            self._refresh_offload(snap.offload)
 
     def on_response_status(self, status: int) -> None:
         if status >= 400:

@@ -149,6 +149,10 @@ class BlockPool:
         # Fresh pool: ids come out in ascending order, which keeps tests exact.
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        # (hash, block id) of cached blocks handed out again since the last drain, kept only
+        # when a KV tier wants them (engine/kv/offload): their contents are intact until the
+        # step's forward pass, so there is still time to copy them out.
+        self.evicted: list[tuple[BlockHash, int]] | None = None
 
     # -- counts --
     @property
@@ -174,6 +178,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.evicted is not None:
+                    self.evicted.append((block.block_hash, block.block_id))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)

@@ -63,7 +63,7 @@ class KVCacheManager:
         return list(self._tables.get(request_id, ()))
 
     # -- hashing --
-    def _block_hash(self, request: Request, index: int) -> BlockHash:
+    def block_hash(self, request: Request, index: int) -> BlockHash:
         """Chained hash of the request's full block `index`, extending the memo as needed."""
         chain = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
@@ -90,7 +90,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for i in range(max_blocks):  # hashes are computed lazily: a miss stops the walk
-            block = self.pool.get_cached_block(self._block_hash(request, i))
+            block = self.pool.get_cached_block(self.block_hash(request, i))
             if block is None:
                 break
             hit.append(block.block_id)
@@ -149,9 +149,30 @@ class KVCacheManager:
         num_full = min(num_computed_tokens // self.block_size, len(table))
         start = self._num_cached[rid]
         for i in range(start, num_full):
-            self.pool.cache_full_block(self.pool.blocks[table[i]], self._block_hash(request, i))
+            self.pool.cache_full_block(self.pool.blocks[table[i]], self.block_hash(request, i))
         if num_full > start:
             self._num_cached[rid] = num_full
+
+    def cached_blocks(self, request: Request) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of the request's leading blocks that are in the prefix cache (or whose
+        twin is: a duplicate block holds the same K/V as the registered one)."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table or not self.enable_prefix_caching:
+            return []
+        n = self._num_cached[rid]
+        return [(self.block_hash(request, i), table[i]) for i in range(n)]
+
+    def record_evictions(self) -> None:
+        """Keep a list of evicted cached blocks for `take_evicted` (a KV tier is attached)."""
+        self.pool.evicted = []
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        evicted = self.pool.evicted
+        if not evicted:
+            return []
+        self.pool.evicted = []
+        return evicted
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Release the blocks past the first cdiv(num_tokens, block_size); returns how many.

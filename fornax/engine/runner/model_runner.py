@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fornax.config import ModelConfig
+from fornax.engine.kv.offload.connector import KVConnector
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request
 from fornax.engine.sample.metadata import SamplingMetadata, make_generator
@@ -46,11 +47,16 @@ class ModelRunner:
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
         # request draws the same numbers whatever else shares its batches.
         self.generators: dict[str, torch.Generator] = {}
+        # KV tiers below the primary pool (engine/kv/offload): set by the engine when configured.
+        self.kv_connector: KVConnector | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        if sched.kv_transfers is not None:  # before the forward: it may write over saved blocks
+            assert self.kv_connector is not None
+            self.kv_connector.start_load_kv(sched.kv_transfers, self.kv_cache)
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         items = sched.scheduled

@@ -1,0 +1,252 @@
+"""Tier 2: KV blocks as files on disk, content-addressed, checksummed, LRU-bounded.
+
+A file holds one block in tier 1's byte form (host_pool.py). Its name is the block's chained
+prefix-cache hash (engine/kv/block_pool.py: the hash covers the block's tokens and every token
+before it, and the cache salt); its directory is named by the model's identity: a digest of the
+weights file(s), the dtype, the KV form and the block size (`model_identity`). A different model,
+or the same one in another dtype or block size, looks in another directory, and every file
+repeats the identity in its header, so a moved file is refused too.
+
+    header: MAGIC (8) | identity (32) | block hash (32) | payload length (8, little endian)
+            | blake2b-256 of the payload (32)
+    payload: the block's bytes
+
+A file that is short, has a wrong header or fails its checksum is deleted and reported as a
+miss: the block is recomputed, never loaded. Writes go to a temporary name and are renamed into
+place, so a reader (or a restart after a crash) sees a whole file or none; they run on a
+background thread, off the engine's critical path. Past `capacity` bytes the least recently
+used files are deleted; use is the file's mtime, so LRU order survives a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+from fornax.engine.kv.block_pool import BlockHash
+
+logger = logging.getLogger("fornax.kv.disk")
+
+MAGIC = b"FXKV\x00\x01\x00\x00"
+HEADER_SIZE = len(MAGIC) + 32 + 32 + 8 + 32
+SUFFIX = ".kv"
+
+
+def _checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def file_digest(paths: Iterable[Path], cache_file: Path | None = None) -> str:
+    """sha256 over the files' bytes (in the given order), memoized in `cache_file` by path,
+    size and mtime, so a restart does not re-read a large model."""
+    paths = [Path(p).resolve() for p in paths]
+    key = json.dumps([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths])
+    memo: dict[str, str] = {}
+    if cache_file is not None and cache_file.exists():
+        try:
+            memo = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            memo = {}
+    if key in memo:
+        return memo[key]
+    digest = hashlib.sha256()
+    for path in paths:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    value = digest.hexdigest()
+    if cache_file is not None:
+        memo[key] = value
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(memo))
+        except OSError:
+            pass  # only a memo
+    return value
+
+
+def model_identity(weights_digest: str, **form: object) -> bytes:
+    """32 bytes naming everything a stored block's bytes depend on."""
+    text = json.dumps({"weights": weights_digest, **form}, sort_keys=True)
+    return hashlib.sha256(text.encode()).digest()
+
+
+class DiskStore:
+    def __init__(self, root: str | Path, identity: bytes, capacity: int, payload_size: int) -> None:
+        assert len(identity) == 32
+        self.identity, self.capacity, self.payload_size = identity, capacity, payload_size
+        self.dir = Path(root).expanduser() / identity.hex()[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file_size = HEADER_SIZE + payload_size
+        if self.file_size > capacity:
+            raise ValueError(f"the disk tier's bound ({capacity} bytes) is smaller than one block's file")
+        self._lock = threading.Lock()  # guards _files and the counters below
+        self._files: OrderedDict[BlockHash, None] = OrderedDict()  # least recently used first
+        self._pending: set[BlockHash] = set()  # queued or being written
+        self.num_written = self.num_evicted = self.num_corrupt = self.num_write_errors = 0
+        self.bytes_written = self.bytes_read = 0
+        self._finished_writes = 0
+        self._scan()
+        self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="fornax-kv-disk", daemon=True)
+        self._writer.start()
+
+    # -- index --
+    def _path(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / (name + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the files a previous run left, oldest use first; drop half-written temporaries."""
+        found: list[tuple[float, BlockHash]] = []
+        for sub in self.dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if not entry.name.endswith(SUFFIX):
+                    Path(entry.path).unlink(missing_ok=True)  # a write cut off by a crash
+                    continue
+                try:
+                    block_hash = bytes.fromhex(entry.name[: -len(SUFFIX)])
+                    stat = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                if len(block_hash) == 32 and stat.st_size == self.file_size:
+                    found.append((stat.st_mtime, block_hash))
+                else:
+                    Path(entry.path).unlink(missing_ok=True)
+        found.sort()
+        for _, block_hash in found:
+            self._files[block_hash] = None
+        self._evict_to(self.capacity)
+
+    @property
+    def num_files(self) -> int:
+        return len(self._files)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._files) * self.file_size
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._files or block_hash in self._pending
+
+    # -- reads (engine thread) --
+    def read(self, block_hash: BlockHash) -> bytes | None:
+        """The block's payload, verified; None if absent or damaged (a damaged file is deleted)."""
+        with self._lock:
+            if block_hash not in self._files:
+                return None
+            self._files.move_to_end(block_hash)
+        path = self._path(block_hash)
+        try:
+            with path.open("rb") as f:
+                data = f.read(self.file_size + 1)
+        except OSError:
+            data = b""
+        payload = self._verify(data, block_hash)
+        if payload is None:
+            logger.warning("KV disk tier: %s is damaged or truncated; ignored and deleted", path.name)
+            with self._lock:
+                self._files.pop(block_hash, None)
+                self.num_corrupt += 1
+            path.unlink(missing_ok=True)
+            return None
+        with self._lock:
+            self.bytes_read += len(payload)
+        try:
+            os.utime(path)  # the LRU clock that survives a restart
+        except OSError:
+            pass
+        return payload
+
+    def _verify(self, data: bytes, block_hash: BlockHash) -> bytes | None:
+        if len(data) != self.file_size:
+            return None
+        view = memoryview(data)
+        m = len(MAGIC)
+        if view[:m] != MAGIC or view[m : m + 32] != self.identity or view[m + 32 : m + 64] != block_hash:
+            return None
+        if int.from_bytes(view[m + 64 : m + 72], "little") != self.payload_size:
+            return None
+        payload = view[HEADER_SIZE:]
+        if _checksum(payload) != view[m + 72 : m + 104]:
+            return None
+        return bytes(payload)
+
+    # -- writes (background thread) --
+    def write_async(self, block_hash: BlockHash, payload: bytes) -> bool:
+        """Queue a block for writing; False if it is stored or queued already."""
+        assert len(payload) == self.payload_size
+        with self._lock:
+            if block_hash in self._files or block_hash in self._pending:
+                return False
+            self._pending.add(block_hash)
+        self._queue.put((block_hash, payload))
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
+        path = self._path(block_hash)
+        header = MAGIC + self.identity + block_hash + len(payload).to_bytes(8, "little") + _checksum(payload)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with tmp.open("wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._pending.discard(block_hash)
+                self.num_write_errors += 1
+            logger.warning("KV disk tier: writing %s failed: %s", path.name, exc)
+            return
+        with self._lock:
+            self._pending.discard(block_hash)
+            self._files[block_hash] = None
+            self.num_written += 1
+            self.bytes_written += len(payload)
+            self._finished_writes += 1
+            self._evict_to(self.capacity)
+
+    def _evict_to(self, capacity: int) -> None:
+        """Delete least recently used files until they fit in `capacity` (holding the lock, or
+        before the writer starts)."""
+        while self._files and len(self._files) * self.file_size > capacity:
+            block_hash, _ = self._files.popitem(last=False)
+            self._path(block_hash).unlink(missing_ok=True)
+            self.num_evicted += 1
+
+    def take_finished_writes(self) -> int:
+        with self._lock:
+            n, self._finished_writes = self._finished_writes, 0
+        return n
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is on disk; False if `timeout` ran out first."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True

@@ -1,0 +1,130 @@
+"""Tier 1's tensors, and the copies between them and the primary pool.
+
+Tier 1 is one uint8 tensor [num_slots, block_bytes]: a slot's row is a whole block, every layer's
+K and V for its `block_size` tokens, so a block is one contiguous run of bytes, and its disk file
+(disk_store.py) is that run as it is. Inside a row:
+
+    form "auto" (the primary pool's dtype):  values [L, 2, block_size, Hkv, D]
+    form "int8":  int8 values [L, 2, block_size, Hkv, D], then float32 scales [L, 2, block_size, Hkv]
+
+("int8" is layers/kv_pool.py's row form: one scale per token and KV head.) The same views are
+laid over a staging tensor built from disk payloads, so the disk path reuses the load copies.
+
+Copies go layer by layer, each one `index_select` + `index_copy_` over every block of the step:
+a handful of large memory copies rather than one per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fornax.layers.kv_pool import LayerKV, dequantize_rows, quantize_rows
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the primary pool's activation dtype
+    quantized: bool  # tier form int8 (the primary pool may be either)
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def value_bytes(self) -> int:
+        n = 1
+        for d in self.value_shape:
+            n *= d
+        return n * (1 if self.quantized else torch.finfo(self.dtype).bits // 8)
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * 4 if self.quantized else 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.value_bytes + self.scale_bytes
+
+    def views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, block_bytes] uint8 -> values [n, L, 2, bs, Hkv, D], scales [n, L, 2, bs, Hkv] or None."""
+        n = rows.shape[0]
+        values = rows[:, : self.value_bytes].view(torch.int8 if self.quantized else self.dtype)
+        values = values.view(n, *self.value_shape)
+        if not self.quantized:
+            return values, None
+        scales = rows[:, self.value_bytes :].view(torch.float32).view(n, *self.value_shape[:-1])
+        return values, scales
+
+
+def _primary_blocks(pool: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, ...] -> [num_blocks, block_size, ...] (a view)."""
+    return pool.view(pool.shape[0] // block_size, block_size, *pool.shape[1:])
+
+
+def copy_to_rows(layout: BlockLayout, layers: list[LayerKV], block_ids: torch.Tensor,
+                 values: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor) -> None:  # fmt: skip
+    """Primary blocks `block_ids` -> tier rows `rows` (of the given views)."""
+    bs = layout.block_size
+    for li, layer in enumerate(layers):
+        for kv, (pool, pool_scale) in enumerate(((layer.k, layer.k_scale), (layer.v, layer.v_scale))):
+            src = _primary_blocks(pool, bs).index_select(0, block_ids)  # [n, bs, Hkv, D]
+            if scales is None:  # same form both sides
+                values[:, li, kv].index_copy_(0, rows, src)
+                continue
+            if pool_scale is None:  # bf16/fp32 primary -> int8 rows
+                q, s = quantize_rows(src)
+            else:  # int8 primary: copy values and scales as they are
+                q, s = src, _primary_blocks(pool_scale, bs).index_select(0, block_ids)
+            values[:, li, kv].index_copy_(0, rows, q)
+            scales[:, li, kv].index_copy_(0, rows, s)
+
+
+def copy_from_rows(layout: BlockLayout, layers: list[LayerKV], rows: torch.Tensor,
+                   values: torch.Tensor, scales: torch.Tensor | None, block_ids: torch.Tensor) -> None:  # fmt: skip
+    """Tier rows `rows` -> primary blocks `block_ids`."""
+    bs = layout.block_size
+    for li, layer in enumerate(layers):
+        for kv, (pool, pool_scale) in enumerate(((layer.k, layer.k_scale), (layer.v, layer.v_scale))):
+            src = values[:, li, kv].index_select(0, rows)
+            target = _primary_blocks(pool, bs)
+            if scales is None:
+                target.index_copy_(0, block_ids, src)
+                continue
+            s = scales[:, li, kv].index_select(0, rows)
+            if pool_scale is None:
+                target.index_copy_(0, block_ids, dequantize_rows(src, s, pool.dtype))
+            else:
+                target.index_copy_(0, block_ids, src)
+                _primary_blocks(pool_scale, bs).index_copy_(0, block_ids, s)
+
+
+class HostPool:
+    """The tier-1 slots' bytes. torch.empty: pages are touched (and become resident) only when
+    a block is first saved to them."""
+
+    def __init__(self, layout: BlockLayout, num_slots: int) -> None:
+        self.layout = layout
+        self.data = torch.empty(num_slots, layout.block_bytes, dtype=torch.uint8)
+        self.values, self.scales = layout.views(self.data)
+
+    def save(self, layers: list[LayerKV], block_ids: list[int], slots: list[int]) -> None:
+        copy_to_rows(self.layout, layers, torch.tensor(block_ids), self.values, self.scales, torch.tensor(slots))
+
+    def load(self, layers: list[LayerKV], slots: list[int], block_ids: list[int]) -> None:
+        copy_from_rows(self.layout, layers, torch.tensor(slots), self.values, self.scales, torch.tensor(block_ids))
+
+    def payload(self, slot: int) -> bytes:
+        """A slot's bytes, copied (the writer thread owns them while the slot is reused)."""
+        return self.data[slot].numpy().tobytes()
+
+    def load_payloads(self, layers: list[LayerKV], payloads: list[bytes], block_ids: list[int]) -> None:
+        """Verified disk payloads -> primary blocks, through a staging tensor with tier 1's views."""
+        staging = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), -1)
+        values, scales = self.layout.views(staging)
+        copy_from_rows(self.layout, layers, torch.arange(len(payloads)), values, scales, torch.tensor(block_ids))
