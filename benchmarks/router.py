@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from _servers import Process  # benchmarks/ is on sys.path when run as a script
 from fornax.config import DEFAULT_MODEL
 
 POLICIES = ("cache-aware", "round-robin")
@@ -55,54 +54,9 @@ POLICIES = ("cache-aware", "round-robin")
 REPLICA_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--num-threads", "1"]
 HIT_RATE_GOAL, TTFT_GOAL, ADDED_MS_GOAL = 1.8, 0.5, 2.0
 BLOCK_SIZE = 16  # fornax serve's default --block-size
-READY_TIMEOUT_S = 300.0
 
 
 # ---- processes -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Process:
-    """A `python -m fornax.cli ...` child on a free loopback port, its output in a log file."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}-{self.port}.log"
-        cmd = [sys.executable, "-m", "fornax.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, ready: Any, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until `ready(httpx response of GET /health)` holds."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if ready(httpx.get(self.url + "/health", timeout=2.0)):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:g}s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 2000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def start_replicas(args: argparse.Namespace, log_dir: Path, count: int = 2) -> list[Process]:

@@ -89,10 +89,19 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread, then flush what must outlive the process (the KV disk tier's
+        pending writes, EngineCore.close) unless the thread is stuck in a step."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop; KV disk tier writes are not flushed")
+                return
+        try:
+            self.core.close()
+        except Exception:  # noqa: BLE001 - shutting down: report, never hang or mask the exit
+            logger.exception("flushing the engine's KV tiers failed")
 
     @property
     def num_unfinished(self) -> int:

@@ -82,6 +82,7 @@ class EventTap:
                 events.append(Event("blocks", parent, now, {
                     "index": index, "new": s.block_ids[cached:], "cached": s.block_ids[:cached],
                     "table": list(s.block_ids), "num_free_blocks": core.scheduler.kv.num_free_blocks,
+                    "tiers": _tiers(sched, child_id, s.block_ids),
                 }))  # fmt: skip
             elif len(s.block_ids) > held:
                 events.append(Event("blocks", parent, now, {
@@ -167,3 +168,14 @@ def _ttft(core: EngineCore, out: EngineOutput) -> float | None:
         if req.num_output_tokens == 1 and req.times.first_token is not None:
             return req.times.first_token - req.times.arrival
     return None
+
+
+def _tiers(sched: SchedulerOutput, child_id: str, block_ids: list[int]) -> dict[str, str]:
+    """Block id -> the KV tier its contents were loaded from this step ("host", "disk", "swap");
+    cached blocks not named here are primary prefix-cache hits."""
+    plan = sched.kv_transfers
+    loaded = plan.sources.get(child_id) if plan is not None else None
+    if loaded is None:
+        return {}
+    first, tiers = loaded
+    return {str(block_ids[first + i]): tier for i, tier in enumerate(tiers)}

@@ -79,8 +79,12 @@ def test_unconstrained_rows_unaffected_bit_for_bit(llm):
     mixed = llm.generate(prompts + prompts, [plain] * len(prompts) + [_regex_params()] * len(prompts))
     for a, m in zip(alone, mixed[: len(prompts)]):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
-        # Logprobs equal exactly: the constrained rows' mask never touched these rows.
-        assert [lp.top_logprobs for lp in a.outputs[0].logprobs] == [lp.top_logprobs for lp in m.outputs[0].logprobs]
+        # Logprobs equal: the constrained rows' mask never touched these rows. Equal to float
+        # rounding, not bit for bit: a batch of 8 rows may take other matmul kernels than one of
+        # 4 (seen with MKL on an Intel Xeon: 1e-6 apart), which only a batch-invariant mode fixes.
+        for lp_a, lp_m in zip(a.outputs[0].logprobs, m.outputs[0].logprobs):
+            assert lp_a.top_ids == lp_m.top_ids
+            assert lp_a.top_logprobs == pytest.approx(lp_m.top_logprobs, abs=1e-4)
     for m in mixed[len(prompts):]:
         assert re.fullmatch(REGEX, m.outputs[0].text)
 

@@ -64,7 +64,7 @@ def test_save_then_load_restores_blocks(primary: str, form: bool) -> None:
     layout = BlockLayout(layers_n, bs, hkv, d, torch.float32, form)
     pool = HostPool(layout, 4)
     pool.save(layers, [1, 4], [3, 0])
-    payload = pool.payload(3)
+    payload = bytes(pool.view(3))
     assert len(payload) == layout.block_bytes
     for layer in layers:  # wipe blocks 1 and 4, then bring them back (one from disk bytes)
         layer.write(torch.arange(bs, 2 * bs), torch.zeros(bs, hkv, d), torch.zeros(bs, hkv, d))

@@ -309,11 +309,12 @@ def test_client_authorization_passes_without_a_replica_key(stubs: tuple[StubRepl
 
 
 @pytest.mark.parametrize("replica_key", [None, "relay-key"])
-def test_polls_carry_the_poll_key_and_relayed_requests_do_not(stubs: tuple[StubReplica, StubReplica],
+def test_polls_carry_the_poll_key_and_relayed_requests_do_not(own_stubs: tuple[StubReplica, StubReplica],
                                                               replica_key: str | None) -> None:  # fmt: skip
     """--replica-poll-key is for the router's own polls only: relayed requests keep the
-    client's Authorization (or get --replica-api-key, when that is given too)."""
-    a, _ = stubs
+    client's Authorization (or get --replica-api-key, when that is given too). Stubs of its own:
+    a shared one may still get a poll (no key) from the previous test's router as it stops."""
+    a, _ = own_stubs
     with router([a.url], replica_poll_key="poll-key", replica_api_key=replica_key) as (url, _):
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer tenant-1"})
         assert r.json()["auth"] == ("Bearer tenant-1" if replica_key is None else f"Bearer {replica_key}")
@@ -321,8 +322,8 @@ def test_polls_carry_the_poll_key_and_relayed_requests_do_not(stubs: tuple[StubR
     assert a.poll_auth == dict.fromkeys(("/health", "/metrics", "/v1/models"), {"Bearer poll-key"})
 
 
-def test_polls_fall_back_to_the_replica_key(stubs: tuple[StubReplica, StubReplica]) -> None:
-    a, _ = stubs
+def test_polls_fall_back_to_the_replica_key(own_stubs: tuple[StubReplica, StubReplica]) -> None:
+    a, _ = own_stubs
     with router([a.url], replica_api_key="relay-key") as (url, _):
         assert httpx.post(url + "/v1/chat/completions", json=CHAT).json()["auth"] == "Bearer relay-key"
     assert a.poll_auth == dict.fromkeys(("/health", "/metrics", "/v1/models"), {"Bearer relay-key"})

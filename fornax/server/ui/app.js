@@ -336,7 +336,8 @@ class Run {
 
   on_blocks(e) {
     const box = $("blocks");
-    for (const id of e.cached) box.appendChild(block(id, true));
+    const tiers = e.tiers || {};
+    for (const id of e.cached) box.appendChild(block(id, true, tiers[id]));
     for (const id of e.new) box.appendChild(block(id, false));
     box.dataset.cached = box.querySelectorAll(".block.cached").length;
   }
@@ -394,11 +395,15 @@ class Run {
   }
 }
 
-function block(id, cached) {
+// Where a cached block's K/V came from: the primary prefix cache, or a KV tier below it.
+const TIER_TITLES = {host: "loaded from host memory (KV tier 1)", disk: "loaded from disk (KV tier 2)",
+                     swap: "swapped back in from host memory after a preemption"};
+
+function block(id, cached, tier) {
   const el = document.createElement("span");
-  el.className = "block" + (cached ? " cached" : "");
+  el.className = "block" + (cached ? " cached" : "") + (tier ? " tier-" + tier : "");
   el.textContent = id;
-  el.title = "block " + id + (cached ? " · prefix-cache hit" : " · newly allocated");
+  el.title = "block " + id + (tier ? " · " + TIER_TITLES[tier] : cached ? " · prefix-cache hit" : " · newly allocated");
   return el;
 }
 

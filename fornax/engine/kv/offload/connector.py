@@ -106,7 +106,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def get_finished(self) -> int:
-        """Disk writes completed since the last call (they run on a background thread)."""
+        """Collect the transfers that completed in the background since the last call (disk
+        writes), releasing what they held; how many."""
 
     # -- life --
     @abstractmethod

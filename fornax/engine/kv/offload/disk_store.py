@@ -93,9 +93,9 @@ class DiskStore:
         self._pending: set[BlockHash] = set()  # queued or being written
         self.num_written = self.num_evicted = self.num_corrupt = self.num_write_errors = 0
         self.bytes_written = self.bytes_read = 0
-        self._finished_writes = 0
+        self._finished: list[BlockHash] = []  # writes done (or failed) since take_finished()
         self._scan()
-        self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BlockHash, memoryview] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="fornax-kv-disk", daemon=True)
         self._writer.start()
 
@@ -184,9 +184,14 @@ class DiskStore:
         return bytes(payload)
 
     # -- writes (background thread) --
-    def write_async(self, block_hash: BlockHash, payload: bytes) -> bool:
-        """Queue a block for writing; False if it is stored or queued already."""
-        assert len(payload) == self.payload_size
+    def write_async(self, block_hash: BlockHash, payload: bytes | memoryview) -> bool:
+        """Queue a block for writing; False if it is stored or queued already.
+
+        The payload is read by the writer thread later, without a copy: the caller keeps its
+        bytes unchanged until `take_finished` names the block (host slots stay pinned till then).
+        """
+        payload = memoryview(payload)
+        assert payload.nbytes == self.payload_size
         with self._lock:
             if block_hash in self._files or block_hash in self._pending:
                 return False
@@ -204,9 +209,9 @@ class DiskStore:
             finally:
                 self._queue.task_done()
 
-    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
+    def _write(self, block_hash: BlockHash, payload: memoryview) -> None:
         path = self._path(block_hash)
-        header = MAGIC + self.identity + block_hash + len(payload).to_bytes(8, "little") + _checksum(payload)
+        header = MAGIC + self.identity + block_hash + payload.nbytes.to_bytes(8, "little") + _checksum(payload)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(exist_ok=True)
@@ -218,15 +223,16 @@ class DiskStore:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._pending.discard(block_hash)
+                self._finished.append(block_hash)
                 self.num_write_errors += 1
             logger.warning("KV disk tier: writing %s failed: %s", path.name, exc)
             return
         with self._lock:
             self._pending.discard(block_hash)
             self._files[block_hash] = None
+            self._finished.append(block_hash)
             self.num_written += 1
-            self.bytes_written += len(payload)
-            self._finished_writes += 1
+            self.bytes_written += payload.nbytes
             self._evict_to(self.capacity)
 
     def _evict_to(self, capacity: int) -> None:
@@ -237,10 +243,11 @@ class DiskStore:
             self._path(block_hash).unlink(missing_ok=True)
             self.num_evicted += 1
 
-    def take_finished_writes(self) -> int:
+    def take_finished(self) -> list[BlockHash]:
+        """Blocks whose write ended (on disk, or failed and logged) since the last call."""
         with self._lock:
-            n, self._finished_writes = self._finished_writes, 0
-        return n
+            done, self._finished = self._finished, []
+        return done
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is on disk; False if `timeout` ran out first."""

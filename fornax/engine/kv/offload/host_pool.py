@@ -119,9 +119,9 @@ class HostPool:
     def load(self, layers: list[LayerKV], slots: list[int], block_ids: list[int]) -> None:
         copy_from_rows(self.layout, layers, torch.tensor(slots), self.values, self.scales, torch.tensor(block_ids))
 
-    def payload(self, slot: int) -> bytes:
-        """A slot's bytes, copied (the writer thread owns them while the slot is reused)."""
-        return self.data[slot].numpy().tobytes()
+    def view(self, slot: int) -> memoryview:
+        """A slot's bytes in place (no copy): valid while the slot is not reused."""
+        return memoryview(self.data[slot].numpy())
 
     def load_payloads(self, layers: list[LayerKV], payloads: list[bytes], block_ids: list[int]) -> None:
         """Verified disk payloads -> primary blocks, through a staging tensor with tier 1's views."""

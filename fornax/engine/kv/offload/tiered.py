@@ -86,7 +86,7 @@ class TieredConnector(KVConnector):
         self._plan = TransferPlan()
         self._saving: set[BlockHash] = set()  # hashes with a save in the current plan
         self._swap_ins: list[str] = []  # requests whose swap slots free once the plan ran
-        self._swapped_in_tokens: dict[str, int] = {}
+        self._writing: dict[BlockHash, int] = {}  # disk writes in flight -> the host slot they read
         self._times: deque[tuple[str, float]] = deque(maxlen=4096)
         self._stats = OffloadStats(host_blocks_total=host_blocks, disk_bytes_total=disk.capacity if disk else 0)
 
@@ -179,7 +179,10 @@ class TieredConnector(KVConnector):
             return  # every slot pinned or swapped: the block is dropped, as without tiers
         self._saving.add(block_hash)
         self._plan.saves.append((block_id, slot))
-        if self.disk is not None and block_hash not in self.disk:
+        if self.disk is not None and block_hash not in self.disk and block_hash not in self._writing:
+            # The writer thread reads the slot in place: it stays pinned until the write ends.
+            self.index.pin(slot)
+            self._writing[block_hash] = slot
             self._plan.writes.append((block_hash, slot))
 
     def swap_out(self, request: Request, block_ids: list[int], num_tokens: int) -> bool:
@@ -192,6 +195,7 @@ class TieredConnector(KVConnector):
         return True
 
     def build_connector_meta(self) -> TransferPlan | None:
+        self.get_finished()
         plan, self._plan = self._plan, TransferPlan()
         self._saving.clear()
         plan.release_swaps, self._swap_ins = self._swap_ins, []
@@ -206,8 +210,9 @@ class TieredConnector(KVConnector):
             self._times.append(("save", time.perf_counter() - t0))
             self._stats.bytes_to_host += len(plan.saves) * block_bytes
         if plan.writes and self.disk is not None:
-            for block_hash, slot in plan.writes:  # the writer thread gets its own copy
-                self.disk.write_async(block_hash, self.pool.payload(slot))
+            for block_hash, slot in plan.writes:
+                if not self.disk.write_async(block_hash, self.pool.view(slot)):
+                    self._release_write(block_hash)  # stored meanwhile: nothing to wait for
         if plan.disk_loads or plan.loads:
             t0 = time.perf_counter()
             if plan.disk_loads:
@@ -224,15 +229,28 @@ class TieredConnector(KVConnector):
             self.index.release_swap(rid)
 
     def get_finished(self) -> int:
-        return self.disk.take_finished_writes() if self.disk is not None else 0
+        """Unpin the host slots of disk writes that ended; how many did."""
+        if self.disk is None:
+            return 0
+        done = self.disk.take_finished()
+        for block_hash in done:
+            self._release_write(block_hash)
+        return len(done)
+
+    def _release_write(self, block_hash: BlockHash) -> None:
+        slot = self._writing.pop(block_hash, None)
+        if slot is not None:
+            self.index.unpin(slot)
 
     # -- life --
     def close(self, kv_cache: KVCache) -> None:
         plan = self.build_connector_meta()
         if plan is not None:
             self.start_load_kv(plan, kv_cache)
-        if self.disk is not None and not self.disk.flush():
-            logger.warning("KV disk tier: writes still pending at shutdown were lost")
+        if self.disk is not None:
+            if not self.disk.flush():
+                logger.warning("KV disk tier: writes still pending at shutdown were lost")
+            self.get_finished()
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
