@@ -16,6 +16,11 @@ a handful of large memory copies rather than one per block.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,17 +109,80 @@ def copy_from_rows(layout: BlockLayout, layers: list[LayerKV], rows: torch.Tenso
                 _primary_blocks(pool_scale, bs).index_copy_(0, block_ids, s)
 
 
+logger = logging.getLogger("fornax.kv.offload")
+
+# Slots made resident ahead of the highest slot handed out so far (see _Prefaulter).
+PREFAULT_AHEAD_SLOTS = 128
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without changing their contents
+_PAGE = 4096
+
+
+class _Prefaulter:
+    """Makes tier-1 memory resident just ahead of use, on a lowest-priority thread.
+
+    The pool is untouched memory, so it costs nothing until used; but the first save into a
+    fresh slot then page-faults every 4 KiB on the engine thread: saving one request's 36 blocks
+    took 14 ms on fresh pages and 4 ms on resident ones (2026-12-05). Slots are handed out in
+    ascending order, so this thread keeps the next PREFAULT_AHEAD_SLOTS resident with
+    madvise(MADV_POPULATE_WRITE), which never changes a page's contents: racing a save into
+    the same memory is harmless. Where the call is missing (not Linux, an older kernel) saves
+    simply fault as before.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._base, self._row = data.data_ptr(), data.shape[1]
+        self._num_slots = data.shape[0]
+        self._done = 0  # slots below this are resident (or asked to be)
+        self._target = 0
+        self._wake = threading.Condition()
+        self._madvise = None
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+        if self._madvise is not None:
+            threading.Thread(target=self._run, name="fornax-kv-prefault", daemon=True).start()
+
+    def advance(self, highest_used_slot: int) -> None:
+        target = min(highest_used_slot + 1 + PREFAULT_AHEAD_SLOTS, self._num_slots)
+        if target > self._target and self._madvise is not None:
+            with self._wake:
+                self._target = target
+                self._wake.notify()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        while True:
+            with self._wake:
+                while self._target <= self._done:
+                    self._wake.wait()
+                start, end = self._done, self._target
+            lo = (self._base + start * self._row) // _PAGE * _PAGE
+            hi = self._base + end * self._row
+            assert self._madvise is not None
+            if self._madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+                logger.debug("MADV_POPULATE_WRITE unavailable (errno %d): saves fault pages in", ctypes.get_errno())
+                return
+            self._done = end
+
+
 class HostPool:
-    """The tier-1 slots' bytes. torch.empty: pages are touched (and become resident) only when
-    a block is first saved to them."""
+    """The tier-1 slots' bytes: untouched (not resident) until used, then kept resident a little
+    ahead of use (_Prefaulter)."""
 
     def __init__(self, layout: BlockLayout, num_slots: int) -> None:
         self.layout = layout
         self.data = torch.empty(num_slots, layout.block_bytes, dtype=torch.uint8)
         self.values, self.scales = layout.views(self.data)
+        self._prefault = _Prefaulter(self.data)
+        self._prefault.advance(-1)  # the first slots before the first save
 
     def save(self, layers: list[LayerKV], block_ids: list[int], slots: list[int]) -> None:
         copy_to_rows(self.layout, layers, torch.tensor(block_ids), self.values, self.scales, torch.tensor(slots))
+        self._prefault.advance(max(slots))
 
     def load(self, layers: list[LayerKV], slots: list[int], block_ids: list[int]) -> None:
         copy_from_rows(self.layout, layers, torch.tensor(slots), self.values, self.scales, torch.tensor(block_ids))
