@@ -132,10 +132,12 @@ def test_disk_bound_is_respected_least_recently_used_first(tmp_path) -> None:
     for i in range(3):
         store.write_async(h(i), bytes([i]) * 100)
         store.flush()
+        assert store.take_finished() == [h(i)]  # the engine learns of writes here
     assert store.read(h(0)) is not None  # h(0) used: h(1) is now the oldest
     for i in (3, 4):
-        store.write_async(h(i), bytes([i]) * 100)
+        store.write_async(h(i), bytes([i]) * 100)  # makes room first: stored + queued <= bound
         store.flush()
+        store.take_finished()
     on_disk = sorted(p.name for p in store.dir.rglob("*.kv"))
     assert len(on_disk) == 3 and store.bytes_used <= 3 * file_size
     assert h(1) not in store and h(2) not in store and h(0) in store

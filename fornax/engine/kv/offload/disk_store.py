@@ -16,6 +16,12 @@ miss: the block is recomputed, never loaded. Writes go to a temporary name and a
 place, so a reader (or a restart after a crash) sees a whole file or none; they run on a
 background thread, off the engine's critical path. Past `capacity` bytes the least recently
 used files are deleted; use is the file's mtime, so LRU order survives a restart.
+
+Threads: the index (which blocks are stored, in LRU order; which are being written) belongs to
+the engine thread alone, with no lock. The writer thread only carries out file operations sent
+to it through a queue and reports each write's end through a deque, which the engine thread
+reads in `take_finished`. (No lock also means no priority inversion: the engine never waits
+for the writer to be scheduled.)
 """
 
 from __future__ import annotations
@@ -25,10 +31,9 @@ import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -94,18 +99,19 @@ class DiskStore:
         self.file_size = HEADER_SIZE + payload_size
         if self.file_size > capacity:
             raise ValueError(f"the disk tier's bound ({capacity} bytes) is smaller than one block's file")
-        self._lock = threading.Lock()  # guards _files and the counters below
-        self._files: OrderedDict[BlockHash, None] = OrderedDict()  # least recently used first
+        self._files: OrderedDict[BlockHash, None] = OrderedDict()  # stored, least recently used first
         self._pending: set[BlockHash] = set()  # queued or being written
         self.num_written = self.num_evicted = self.num_corrupt = self.num_write_errors = 0
         self.bytes_written = self.bytes_read = 0
-        self._finished: list[BlockHash] = []  # writes done (or failed) since take_finished()
+        self._queue: queue.Queue[tuple[str, BlockHash, memoryview | None]] = queue.Queue()
+        self._results: deque[tuple[BlockHash, bool]] = deque()  # (block, written?), from the writer
         self._scan()
-        self._queue: queue.Queue[tuple[BlockHash, memoryview] | None] = queue.Queue()
+        for i in range(256):  # every file's directory exists before the writer needs it
+            (self.dir / f"{i:02x}").mkdir(exist_ok=True)
         self._writer = threading.Thread(target=self._write_loop, name="fornax-kv-disk", daemon=True)
         self._writer.start()
 
-    # -- index --
+    # -- index (engine thread) --
     def _path(self, block_hash: BlockHash) -> Path:
         name = block_hash.hex()
         return self.dir / name[:2] / (name + SUFFIX)
@@ -132,7 +138,9 @@ class DiskStore:
         found.sort()
         for _, block_hash in found:
             self._files[block_hash] = None
-        self._evict_to(self.capacity)
+        while len(self._files) * self.file_size > self.capacity:  # a smaller bound than last time
+            self._path(self._files.popitem(last=False)[0]).unlink(missing_ok=True)
+            self.num_evicted += 1
 
     @property
     def num_files(self) -> int:
@@ -143,16 +151,14 @@ class DiskStore:
         return len(self._files) * self.file_size
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        with self._lock:
-            return block_hash in self._files or block_hash in self._pending
+        return block_hash in self._files or block_hash in self._pending
 
     # -- reads (engine thread) --
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's payload, verified; None if absent or damaged (a damaged file is deleted)."""
-        with self._lock:
-            if block_hash not in self._files:
-                return None
-            self._files.move_to_end(block_hash)
+        if block_hash not in self._files:
+            return None
+        self._files.move_to_end(block_hash)
         path = self._path(block_hash)
         try:
             with path.open("rb") as f:
@@ -162,13 +168,11 @@ class DiskStore:
         payload = self._verify(data, block_hash)
         if payload is None:
             logger.warning("KV disk tier: %s is damaged or truncated; ignored and deleted", path.name)
-            with self._lock:
-                self._files.pop(block_hash, None)
-                self.num_corrupt += 1
+            del self._files[block_hash]
+            self.num_corrupt += 1
             path.unlink(missing_ok=True)
             return None
-        with self._lock:
-            self.bytes_read += len(payload)
+        self.bytes_read += len(payload)
         try:
             os.utime(path)  # the LRU clock that survives a restart
         except OSError:
@@ -189,86 +193,93 @@ class DiskStore:
             return None
         return bytes(payload)
 
-    # -- writes (background thread) --
+    # -- writes (queued by the engine thread, done by the writer thread) --
     def write_async(self, block_hash: BlockHash, payload: bytes | memoryview) -> bool:
         """Queue a block for writing; False if it is stored or queued already.
 
         The payload is read by the writer thread later, without a copy: the caller keeps its
         bytes unchanged until `take_finished` names the block (host slots stay pinned till then).
+        Room is made first, so stored plus queued files never pass the bound.
         """
         payload = memoryview(payload)
         assert payload.nbytes == self.payload_size
-        with self._lock:
-            if block_hash in self._files or block_hash in self._pending:
-                return False
-            self._pending.add(block_hash)
-        self._queue.put((block_hash, payload))
+        if block_hash in self._files or block_hash in self._pending:
+            return False
+        while (len(self._files) + len(self._pending) + 1) * self.file_size > self.capacity and self._files:
+            evicted, _ = self._files.popitem(last=False)
+            self._queue.put(("delete", evicted, None))
+            self.num_evicted += 1
+        if (len(self._pending) + 1) * self.file_size > self.capacity:
+            return False  # the queue alone fills the bound: this block is not persisted
+        self._pending.add(block_hash)
+        self._queue.put(("write", block_hash, payload))
         return True
 
-    def _write_loop(self) -> None:
-        if sys.platform == "linux":
-            # Lowest CPU priority for this thread only (a Linux thread is a task of its own):
-            # writes use the cores the engine leaves idle and never slow a step. Under sustained
-            # full load the queue grows, tier-1 slots stay pinned and new blocks are dropped
-            # instead of saved: persistence falls behind, serving does not.
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except OSError:
-                pass
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._write(*item)
-            finally:
-                self._queue.task_done()
-
-    def _write(self, block_hash: BlockHash, payload: memoryview) -> None:
-        path = self._path(block_hash)
-        header = MAGIC + self.identity + block_hash + payload.nbytes.to_bytes(8, "little") + _checksum(payload)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            with tmp.open("wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            with self._lock:
-                self._pending.discard(block_hash)
-                self._finished.append(block_hash)
-                self.num_write_errors += 1
-            logger.warning("KV disk tier: writing %s failed: %s", path.name, exc)
-            return
-        with self._lock:
-            self._pending.discard(block_hash)
-            self._files[block_hash] = None
-            self._finished.append(block_hash)
-            self.num_written += 1
-            self.bytes_written += payload.nbytes
-            self._evict_to(self.capacity)
-
-    def _evict_to(self, capacity: int) -> None:
-        """Delete least recently used files until they fit in `capacity` (holding the lock, or
-        before the writer starts)."""
-        while self._files and len(self._files) * self.file_size > capacity:
-            block_hash, _ = self._files.popitem(last=False)
-            self._path(block_hash).unlink(missing_ok=True)
-            self.num_evicted += 1
-
     def take_finished(self) -> list[BlockHash]:
-        """Blocks whose write ended (on disk, or failed and logged) since the last call."""
-        with self._lock:
-            done, self._finished = self._finished, []
+        """Blocks whose write ended (stored, or failed and logged) since the last call."""
+        done = []
+        while self._results:
+            block_hash, ok = self._results.popleft()
+            self._pending.discard(block_hash)
+            if ok:
+                self._files[block_hash] = None
+                self.num_written += 1
+                self.bytes_written += self.payload_size
+            else:
+                self.num_write_errors += 1
+            done.append(block_hash)
         return done
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued write is on disk; False if `timeout` ran out first."""
+        """Wait until every queued operation is done; False if `timeout` ran out first."""
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+        return True
+
+    # -- the writer thread --
+    def _write_loop(self) -> None:
+        while True:
+            op, block_hash, payload = self._queue.get()
+            try:
+                if op == "write":
+                    assert payload is not None
+                    self._results.append((block_hash, self._write(block_hash, payload)))
+                else:
+                    self._path(block_hash).unlink(missing_ok=True)
+            except Exception:  # noqa: BLE001 - a failed write must still be reported, or its slot stays pinned
+                logger.exception("KV disk tier: %s failed", op)
+                if op == "write":
+                    self._results.append((block_hash, False))
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, payload: memoryview) -> bool:
+        """Header and payload in one writev under a temporary name, then renamed into place.
+
+        Few system calls and little Python per block, on purpose: each time this thread comes
+        back from a call it takes the GIL from the engine thread."""
+        path = str(self._path(block_hash))
+        header = MAGIC + self.identity + block_hash + payload.nbytes.to_bytes(8, "little") + _checksum(payload)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                written = os.writev(fd, [header, payload])
+                if written < len(header) + payload.nbytes:  # a short write: finish it plainly
+                    rest = (header + bytes(payload))[written:]
+                    while rest:
+                        rest = rest[os.write(fd, rest) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            logger.warning("KV disk tier: writing %s failed: %s", path, exc)
+            return False
         return True

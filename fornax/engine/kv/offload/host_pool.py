@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -118,7 +117,7 @@ _PAGE = 4096
 
 
 class _Prefaulter:
-    """Makes tier-1 memory resident just ahead of use, on a lowest-priority thread.
+    """Makes tier-1 memory resident just ahead of use, on a thread of its own.
 
     The pool is untouched memory, so it costs nothing until used; but the first save into a
     fresh slot then page-faults every 4 KiB on the engine thread: saving one request's 36 blocks
@@ -151,10 +150,8 @@ class _Prefaulter:
                 self._wake.notify()
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
+        # Normal priority, on purpose: a lowered one would let this thread be descheduled while it
+        # holds the GIL or the condition's lock, stalling the engine thread behind it.
         while True:
             with self._wake:
                 while self._target <= self._done:
