@@ -183,9 +183,11 @@ def _as_argv(action: argparse.Action, value: Any) -> list[str]:
         return [flag if value else "--no-" + flag[2:]]
     if isinstance(action, argparse._StoreTrueAction):
         return [flag]
+    # FLAG=VALUE, never FLAG VALUE: a value starting with "-" (a generated key, say) would be
+    # read as a flag of its own by the receiving parser.
     if isinstance(action, argparse._AppendAction):
-        return [item for v in value for item in (flag, str(v))]
-    return [flag, str(value)]
+        return [f"{flag}={v}" for v in value]
+    return [f"{flag}={value}"]
 
 
 def router_key_args(args: argparse.Namespace) -> list[str]:
@@ -194,4 +196,4 @@ def router_key_args(args: argparse.Namespace) -> list[str]:
     pairs = [("--api-key", key) for key in args.api_key] + [("--admin-key", key) for key in args.admin_key]
     pairs += [(flag, path) for flag, path in (("--api-key-file", args.api_key_file),
                                               ("--admin-key-file", args.admin_key_file)) if path]  # fmt: skip
-    return [item for pair in pairs for item in pair]
+    return [f"{flag}={value}" for flag, value in pairs]  # "=": a key may start with "-"

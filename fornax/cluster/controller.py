@@ -172,8 +172,8 @@ class ClusterController:
         args = ["--policy", c.policy]
         if admin_key:
             args += ["--admin-key", f"fornax-cluster:{admin_key}"]
-        if c.replica.metrics_key:
-            args += ["--replica-poll-key", c.replica.metrics_key]
+        if c.replica.metrics_key:  # "=": a generated key may start with "-", which argparse reads as a flag
+            args.append(f"--replica-poll-key={c.replica.metrics_key}")
         return [*args, *c.router_args]
 
     # -- replicas --

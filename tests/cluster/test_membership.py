@@ -73,13 +73,7 @@ def test_serve_flags_pass_through_to_each_replica() -> None:
          "--max-model-len", "256", "--quantization", "auto", "--no-access-log", "--shutdown-timeout", "7",
          "--port", "9100"])  # fmt: skip
     config = cluster_config(args)
-    assert config.replica.serve_args == (
-        "--quantization",
-        "auto",
-        "--no-access-log",
-        "--max-model-len",
-        "256",
-    )
+    assert config.replica.serve_args == ("--quantization=auto", "--no-access-log", "--max-model-len=256")
     assert (config.replica.model, config.replica.num_threads, config.replica.shutdown_timeout_s) == (
         "m",
         2,
@@ -96,7 +90,7 @@ def test_replicas_with_keys_get_a_key_for_their_metrics() -> None:
     config = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "3", "--api-key", "sk-a"]))
     key = config.replica.metrics_key
     assert key and config.replica.serve_args[-2:] == ("--admin-key", f"fornax-cluster:{key}")
-    assert config.router_args == ("--api-key", "sk-a") and config.router_port == 8000 and config.router_auth
+    assert config.router_args == ("--api-key=sk-a",) and config.router_port == 8000 and config.router_auth
     assert (config.scaling.min_replicas, config.scaling.max_replicas) == (3, 3)
 
 
@@ -115,7 +109,24 @@ def test_the_router_polls_keyed_replicas_with_their_generated_key() -> None:
     assert router.poll_key == keyed.replica.metrics_key
     assert ("fornax-cluster", "ctl-key") in router.admin_keys and "sk-a" in {k for _, k in router.api_keys}
     open_ = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "2"]))
-    assert "--replica-poll-key" not in ClusterController(open_).router_args(None)
+    assert not any(a.startswith("--replica-poll-key") for a in ClusterController(open_).router_args(None))
+
+
+def test_keys_starting_with_a_dash_survive_the_hand_off() -> None:
+    """Generated keys (secrets.token_urlsafe) start with "-" one time in 64: passed as
+    `FLAG VALUE`, the next parser took such a key for a flag of its own and exited."""
+    from dataclasses import replace
+
+    from fornax.cli import build_parser, router_parser
+    from fornax.cluster.cli import cluster_config
+    from fornax.cluster.controller import ClusterController
+    from fornax.router.cli import router_config
+
+    config = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "2", "--api-key=-user-key"]))
+    config = replace(config, replica=replace(config.replica, metrics_key="-generated-key"))
+    router = router_config(router_parser().parse_args(["router", *ClusterController(config).router_args("-ctl")]))
+    assert router.replica_poll_key == "-generated-key"
+    assert "-user-key" in {k for _, k in router.api_keys} and ("fornax-cluster", "-ctl") in router.admin_keys
 
 
 def test_bad_sizes_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
