@@ -136,7 +136,7 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
-                    raise RequestFailedError(item.error)
+                    raise ValueError(item.error) if item.invalid_request else RequestFailedError(item.error)
                 if item.finished:
                     remaining -= 1
                 yield item

@@ -28,6 +28,7 @@ from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
 from fornax.engine.structured.backend import GrammarBackend
+from fornax.engine.structured.spec import StructuredOutputsError
 from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
 from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
@@ -238,8 +239,12 @@ class EngineCore:
         """
         seq = self.seqs.get(child_id)
         parent_id = seq.parent_id if seq is not None else child_id
-        message = f"{type(exc).__name__}: {exc}"
-        logger.error("request %s failed and was ended: %s", parent_id, message, exc_info=exc)
+        invalid = isinstance(exc, StructuredOutputsError)  # the request's own fault, not the engine's
+        message = str(exc) if invalid else f"{type(exc).__name__}: {exc}"
+        if invalid:
+            logger.warning("request %s ended: %s", parent_id, message)
+        else:
+            logger.error("request %s failed and was ended: %s", parent_id, message, exc_info=exc)
         outputs = []
         for cid in self.children.pop(parent_id, [child_id]):
             req = self.scheduler.get_request(cid)
@@ -249,7 +254,8 @@ class EngineCore:
             sibling = self.seqs.pop(cid, None)
             index = sibling.index if sibling is not None else 0
             outputs.append(EngineOutput(request_id=parent_id, index=index, new_token_ids=[], new_text="",
-                                        finished=True, finish_reason="abort", error=message))  # fmt: skip
+                                        finished=True, finish_reason="abort", error=message,
+                                        invalid_request=invalid))  # fmt: skip
         return outputs
 
     def _release_siblings(self) -> None:

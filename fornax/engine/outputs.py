@@ -99,3 +99,6 @@ class EngineOutput:
     # Set when the engine failed this request on an internal error (it is finished, its KV
     # freed): the message for the log. The caller answers 500; other requests go on.
     error: str | None = None
+    # The failure was the request's own (a structured-output constraint no token can meet): the
+    # caller answers it as a bad request (400), not as an internal error.
+    invalid_request: bool = False

@@ -206,3 +206,18 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(client):
         tool_choice={"type": "function", "function": {"name": "nope"}})  # fmt: skip
     bad("tool_choice", "response_format", tools=[WEATHER], tool_choice="required",
         response_format={"type": "json_object"})  # fmt: skip
+
+
+def test_a_constraint_no_token_can_meet_is_a_400_not_a_500(client, server):
+    """U+4DF4E needs the byte 0xF1, which this vocabulary has no token for: the grammar admits
+    nothing after "c". Found by the schemathesis campaign as a 500; the request's own fault."""
+    unreachable = {"structured_outputs": {"regex": "c\U0004df4e"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(client, "x", max_tokens=5, extra_body=unreachable)
+    assert "cannot be met" in info.value.body["message"]
+    stream = ask(client, "x", max_tokens=5, extra_body=unreachable, stream=True)
+    with pytest.raises(openai.APIError) as streamed:  # headers were sent: an error event in the stream
+        for _ in stream:
+            pass
+    assert "cannot be met" in str(streamed.value)
+    assert ask(client, "Say hi.", max_tokens=4).choices[0].finish_reason == "length"  # serving on

@@ -35,10 +35,10 @@ GRAMMAR_CACHE_SIZE = 256
 class GrammarState:
     """One sequence's position in its grammar (an xgrammar GrammarMatcher)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "vocab_size")
 
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
 
     @property
     def terminated(self) -> bool:
@@ -74,7 +74,22 @@ class GrammarState:
             if self.matcher.is_terminated():
                 return  # the stop token was taken; the scheduler finishes the request
             if not self.matcher.accept_token(token):
+                if self._dead_end():
+                    raise StructuredOutputsError(
+                        "structured_outputs", "the constraint cannot be met with this model's vocabulary: no token "
+                        "continues it here (it asks for a character the vocabulary cannot produce)",
+                    )  # fmt: skip
                 raise RuntimeError(f"token {token} is not allowed by the request's grammar")
+
+    def _dead_end(self) -> bool:
+        """No token at all is allowed next: the sampler had nothing to choose from. A grammar
+        (a regex's unassigned code point, say) may need bytes this vocabulary has no token for,
+        which only shows when generation gets there."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
 
 class GrammarBackend:
@@ -123,7 +138,7 @@ class GrammarBackend:
     def new_state(self, compiled: Any) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled))
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
