@@ -34,7 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file, HF directory or alias")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     _add_quant_args(p)
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB")
+    p.add_argument("--kv-cache-memory", default="auto",
+                   help="KV cache budget, e.g. 512MiB; auto: 5%% of the machine's memory, at least one "
+                        "max-model-len sequence, at most max-num-seqs of them (docs/memory.md)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="auto: the model's dtype; int8: int8 K/V with a scale per token and head "
                         "(half the bytes; faster long-context decode)")  # fmt: skip
@@ -78,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    memory = sub.add_parser("memory", help="load a model as the flags say and print its resident memory by owner")
+    memory.add_argument("--json", action="store_true", help="print the breakdown as JSON")
+    _add_model_args(memory)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     from fornax.cluster.cli import add_cluster_parser, add_replicas_arg
@@ -264,6 +269,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _stream(llm, ids, _sampling(args))
 
 
+def cmd_memory(args: argparse.Namespace) -> None:
+    """The breakdown of engine/memory.py after loading and one short generation (so the lazily
+    built state of the first steps is in it), as `fornax serve` would hold it at rest."""
+    import json
+
+    from fornax.engine.request import SamplingParams
+    from fornax.layers.memory import release_free_heap
+
+    llm = _llm(args)
+    llm.generate(["What is LLM inference?"], SamplingParams(max_tokens=8, temperature=0.0))
+    release_free_heap()  # what the server does when it goes idle
+    report = llm.engine.memory_report()
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     llm = _llm(args)
     tok = llm.get_tokenizer()
@@ -289,7 +309,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from fornax.cluster.cli import serve_replicas
 
         return serve_replicas(args)
-    from fornax.config import load_api_keys, parse_memory_size
+    from fornax.config import load_api_keys, parse_kv_cache_memory, parse_memory_size
     from fornax.server.app import serve
 
     model = args.model_arg or args.model
@@ -312,7 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
         large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
         kernel_backend=args.kernel_backend, num_threads=args.num_threads,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_memory_size(args.kv_cache_memory),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_kv_cache_memory(args.kv_cache_memory),
                           num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -350,7 +370,8 @@ def handler(command: str) -> Callable[[argparse.Namespace], int | None]:
     if command in _HANDLER_MODULES:
         module, name = _HANDLER_MODULES[command]
         return getattr(importlib.import_module(module), name)
-    return {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[command]
+    commands = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "memory": cmd_memory}
+    return commands[command]
 
 
 def router_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,42 @@ def parse_memory_size(value: int | float | str) -> int:
     return int(number * scale)
 
 
+def parse_kv_cache_memory(value: int | float | str | None) -> int | None:
+    """parse_memory_size, or None for "auto" (default_kv_cache_memory decides)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_memory_size(value)
+
+
+# The automatic KV budget's share of the machine's memory (or of the container's limit):
+# about what the fixed 1 GiB default was on the 24 GiB machines the figures come from.
+KV_CACHE_MEMORY_FRACTION = 0.05
+
+
+def machine_memory() -> int:
+    """Physical memory, or the cgroup's limit when the process runs under a smaller one."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit_file).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_kv_cache_memory(bytes_per_token: int, max_model_len: int, max_num_seqs: int, total: int | None = None) -> int:
+    """The KV budget when none is given, like vLLM's share of device memory and llama.cpp's
+    context from the model: KV_CACHE_MEMORY_FRACTION of the machine's memory, but at least one
+    sequence of max_model_len tokens (else the longest requests could never run) and at most
+    what max_num_seqs sequences of that length can fill (more would never be used). The
+    pools are not touched until used, so a large budget costs memory only as it fills."""
+    one_sequence = bytes_per_token * max_model_len
+    share = int(KV_CACHE_MEMORY_FRACTION * (machine_memory() if total is None else total))
+    return min(max(share, one_sequence), one_sequence * max_num_seqs)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters, in Hugging Face's vocabulary."""
@@ -90,7 +126,9 @@ class CacheConfig:
     """Paged KV cache: fixed-size blocks in one preallocated pool per layer."""
 
     block_size: int = 16
-    kv_cache_memory: int = 1 * GiB  # bytes; ignored when num_blocks is given
+    # bytes; None ("auto"): sized for the model and the machine (default_kv_cache_memory).
+    # Ignored when num_blocks is given.
+    kv_cache_memory: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     # "auto": the model's dtype; "int8": int8 rows with a scale per token and KV head
@@ -104,7 +142,7 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory must be positive")
 
 

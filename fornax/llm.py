@@ -14,6 +14,7 @@ from fornax.config import (
     OffloadConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_kv_cache_memory,
     parse_memory_size,
 )
 from fornax.engine.core import EngineCore, build_engine_core
@@ -45,7 +46,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 8192,
         block_size: int = 16,
-        kv_cache_memory: int | float | str = "1GiB",
+        kv_cache_memory: int | float | str | None = "auto",
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
@@ -71,7 +72,7 @@ class LLM:
             num_threads=num_threads,
             cache=CacheConfig(
                 block_size=block_size,
-                kv_cache_memory=parse_memory_size(kv_cache_memory),
+                kv_cache_memory=parse_kv_cache_memory(kv_cache_memory),
                 num_blocks=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,

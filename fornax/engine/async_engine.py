@@ -26,6 +26,7 @@ from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
 from fornax.engine.structured.spec import StructuredOutputsParams
+from fornax.layers.memory import release_free_heap
 
 logger = logging.getLogger("fornax.engine")
 
@@ -170,12 +171,21 @@ class AsyncEngine:
     # -- the engine thread --
     def _run(self) -> None:
         try:
+            busy_since_trim = False
             while not self._stopping:
                 self._drain_commands()
                 if not self.core.has_unfinished_requests():
+                    if busy_since_trim:
+                        # Going idle: give back what malloc kept of the steps' freed tensors
+                        # (prefill activations, logits); glibc would hold it for the process's
+                        # life. A few ms, once per busy period (docs/memory.md).
+                        release_free_heap()
+                        busy_since_trim = False
+                        continue  # a request may have arrived meanwhile
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                busy_since_trim = True
                 start = time.monotonic()
                 outputs = self.core.step()
                 self._after_step(start, outputs)

@@ -19,16 +19,18 @@ from typing import Any
 
 import torch
 
-from fornax.config import EngineConfig
+from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
+from fornax.engine.memory import MemoryReport, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
 from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
+from fornax.layers.memory import malloc_stats, release_free_heap
 from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
 from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
@@ -53,13 +55,15 @@ class EngineCore:
         self.config, self.model_config, self.tokenizer = config, loaded.config, tokenizer
         dtype = DTYPES[config.dtype]
         cache = config.cache
-        num_blocks = cache.num_blocks or max(
-            1,
-            cache.kv_cache_memory
-            // KVCache.bytes_per_block(loaded.config, cache.block_size, dtype, cache.kv_cache_dtype),
-        )
-        self.cache_config = replace(cache, num_blocks=num_blocks)
         max_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
+        block_bytes = KVCache.bytes_per_block(loaded.config, cache.block_size, dtype, cache.kv_cache_dtype)
+        budget = cache.kv_cache_memory
+        if budget is None:  # "auto"
+            budget = default_kv_cache_memory(block_bytes // cache.block_size, max_len, config.scheduler.max_num_seqs)
+        num_blocks = cache.num_blocks or max(1, budget // block_bytes)
+        logger.info("KV cache: %d blocks of %d tokens, %.0f MiB%s", num_blocks, cache.block_size,
+                    num_blocks * block_bytes / 2**20, " (auto)" if cache.kv_cache_memory is None else "")  # fmt: skip
+        self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
         self.runner = ModelRunner(
@@ -84,9 +88,18 @@ class EngineCore:
         self.last_step: tuple[int, int] = (0, 0)  # (batched tokens, sequences) of the last step
         # Lifecycle events for live views (engine/events.py). The tap builds events only while
         # the bus has a subscriber; None removes even that check (the overhead benchmark's baseline).
+        # Memory breakdown (engine/memory.py): what the tokenizer took as it loaded (set by
+        # build_engine_core, which measures it), and the files whose pages hold weights.
+        self.tokenizer_bytes = 0
+        path = loaded.resolved.gguf_path
+        self.model_files = [str(path.resolve())] if path is not None else []
         self.events = EventBus()
         self.event_tap: EventTap | None = EventTap(self.events, cache.block_size)
         torch.manual_seed(config.seed)
+
+    def memory_report(self) -> MemoryReport:
+        """The process's resident memory by owner (engine/memory.py); call between steps."""
+        return memory_report(self, self.model_files)
 
     # -- requests in and out --
     def add_request(
@@ -382,19 +395,30 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     torch.set_num_threads(config.num_threads or _usable_cpus())
     small_step = (config.small_step_method, config.small_step_max_rows)
     large_step = (config.large_step_quantization, config.large_step_min_rows)
+    spec = config.speculative
     loaded = load_model(
         config.model, config.dtype, progress=progress, small_step=small_step, large_step=large_step,
         kernel_backend=config.kernel_backend,
+        # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
+        keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )
+    heap_before = malloc_stats()
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
+        # The vocabulary and merges as Python strings (~8 MiB): the tokenizer has its own copy.
+        for key in [k for k in loaded.metadata if k.startswith("tokenizer.ggml.")]:
+            del loaded.metadata[key]
     else:
         assert loaded.resolved.hf_dir is not None
         tokenizer = Tokenizer.from_pretrained_dir(loaded.resolved.hf_dir)
+    heap_after = malloc_stats()
     core = EngineCore(config, loaded, tokenizer)
+    if heap_before is not None and heap_after is not None:  # the memory breakdown's tokenizer line
+        core.tokenizer_bytes = max(0, heap_after.in_use - heap_before.in_use)
     # What loading left (modules, weights' wrappers, the vocabulary) lives as long as the engine;
     # freezing it keeps the cyclic collector from re-scanning it on its full passes, which
     # took ~5% of a single-stream decode step (perf, 2026-12-03).
     gc.collect()
     gc.freeze()
+    release_free_heap()
     return core

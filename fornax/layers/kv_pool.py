@@ -55,19 +55,25 @@ class LayerKV:
     def allocate(
         cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str
     ) -> LayerKV:
-        # Not zero-filled (that costs ~1.5 s per GiB at start-up): attention only ever reads
-        # slots written earlier in the same request, plus slot 0 as the gather target of
-        # padding. Slot 0 is zeroed so that padding never multiplies garbage (NaN * 0 = NaN).
-        # On huge pages: K/V rows are read scattered by block (layers/hugepages.py).
+        return cls.allocate_layers(1, num_slots, num_kv_heads, head_dim, dtype, kv_cache_dtype)[0]
+
+    @classmethod
+    def allocate_layers(
+        cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        kv_cache_dtype: str,
+    ) -> list[LayerKV]:
+        """Every layer's pools in one mapping (hugepages.zeros_many), zero-filled by the kernel as
+        pages are first written: the pools cost memory only as requests fill them, and slot 0,
+        the gather target of padding, reads zeros (padding must never multiply garbage: NaN * 0
+        = NaN). On huge pages: K/V rows are read scattered by block (layers/hugepages.py)."""
         shape = (num_slots, num_kv_heads, head_dim)
         quantized = kv_cache_dtype == "int8"
-        store = torch.int8 if quantized else dtype
-        pools = [hugepages.empty(shape, store) for _ in range(2)]
-        scales = [hugepages.empty(shape[:2], torch.float32) for _ in range(2)] if quantized else [None, None]
-        for t in pools + scales:
-            if t is not None:
-                t[0].zero_()
-        return cls(pools[0], pools[1], scales[0], scales[1])
+        per_layer = [(shape, torch.int8 if quantized else dtype)] * 2
+        if quantized:
+            per_layer += [(shape[:2], torch.float32)] * 2
+        flat = hugepages.zeros_many(per_layer * num_layers)
+        n = len(per_layer)
+        return [cls(*flat[i * n : (i + 1) * n]) for i in range(num_layers)]
 
     @property
     def quantized(self) -> bool:

@@ -303,7 +303,8 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        # None once release_dense_weight finds that the step forms cover every row count.
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.small: LinearMethod | None = None
         self.small_max_rows = 0
@@ -315,14 +316,19 @@ class Linear(nn.Module):
         self.large: Int8Rotated | None = None
         self.large_min_rows = 0
 
+    def _dense(self) -> torch.Tensor:
+        if self.weight is None:
+            raise RuntimeError("the dense weight was released; set step forms before release_dense_weight")
+        return self.weight.data
+
     def set_small_step_method(self, method: str, max_rows: int, backend: str = "native") -> None:
         """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest):
         the native integer kernel where it runs (`backend` "native"), else torch's."""
         kernel = native_matmul_for(self.in_features, backend)
         if kernel is not None:
-            self.set_small(NATIVE_SMALL_STEP_METHODS[method](self.weight.data, kernel), max_rows)
+            self.set_small(NATIVE_SMALL_STEP_METHODS[method](self._dense(), kernel), max_rows)
         else:
-            self.set_small(SMALL_STEP_METHODS[method](self.weight.data), max_rows)
+            self.set_small(SMALL_STEP_METHODS[method](self._dense()), max_rows)
 
     def set_small(self, form: LinearMethod, max_rows: int) -> None:
         self.small, self.small_max_rows = form, max_rows
@@ -332,22 +338,40 @@ class Linear(nn.Module):
         (bf16 weights, AVX-512 BF16, `backend` "native"); otherwise nothing changes. With a
         quantized small form already set, it takes the rows between that form's limit and
         `max_rows` (the mid tier)."""
-        kernel = dense_matmul_for(self.weight.data, backend)
+        kernel = dense_matmul_for(self._dense(), backend)
         if kernel is None:
             return
         if self.small is None:
-            self.set_small(DenseBf16(self.weight.data, kernel), max_rows)
+            self.set_small(DenseBf16(self._dense(), kernel), max_rows)
         elif max_rows > self.small_max_rows:
-            self.mid, self.mid_max_rows = DenseBf16(self.weight.data, kernel), max_rows
+            self.mid, self.mid_max_rows = DenseBf16(self._dense(), kernel), max_rows
         self._clip_mid()
 
     def set_large_step_int8(self, min_rows: int, backend: str = "native") -> None:
         """Serve inputs of at least `min_rows` rows (past the small form's limit) by int8 x int8
         matmuls (Int8Rotated), where they run; otherwise nothing changes."""
-        kernel = int8_matmul_for(self.weight.data, backend)
+        kernel = int8_matmul_for(self._dense(), backend)
         if kernel is not None:
-            self.large, self.large_min_rows = Int8Rotated(self.weight.data, kernel), min_rows
+            self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel), min_rows
             self._clip_mid()
+
+    def needs_dense_weight(self) -> bool:
+        """Whether some step still reads the dense weight: a row count that falls through every
+        form to torch's linear, or a DenseBf16 form (which computes from it)."""
+        if any(isinstance(f, DenseBf16) for f in (self.small, self.mid)):
+            return True
+        if self.large is None:
+            return True
+        covered = max(self.small_max_rows if self.small is not None else 0, self.mid_max_rows if self.mid is not None else 0)
+        return covered + 1 < self.large_min_rows  # rows in (covered, large_min_rows) fall through
+
+    def release_dense_weight(self) -> bool:
+        """Drop the dense weight when no step reads it (needs_dense_weight): with a quantized
+        small form below and int8 large steps above, it is a copy no step uses. True if dropped."""
+        if self.weight is None or self.needs_dense_weight():
+            return False
+        self.weight = None
+        return True
 
     def _clip_mid(self) -> None:
         """The mid tier ends where the large one starts (the one-call step reads mid_max_rows)."""
@@ -365,5 +389,7 @@ class Linear(nn.Module):
         elif self.mid is not None and rows <= self.mid_max_rows:
             y = self.mid(x)
         else:
+            if self.weight is None:  # release_dense_weight checked that no row count gets here
+                raise RuntimeError(f"Linear({self.in_features}, {self.out_features}): no form serves {rows} rows")
             return F.linear(x, self.weight, self.bias)
         return y + self.bias if self.bias is not None else y

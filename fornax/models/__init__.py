@@ -12,6 +12,8 @@ from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers import hugepages
+from fornax.layers.embedding import FileEmbedding
+from fornax.layers.memory import release_free_heap
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
@@ -55,6 +57,7 @@ def load_model(
     small_step: tuple[str | None, int] | None = None,
     kernel_backend: str = "native",
     large_step: tuple[str | None, int] | None = None,
+    keep_dense_weights: bool = False,
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
     small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
@@ -62,22 +65,22 @@ def load_model(
     fornax's integer kernel where this CPU can, and gives the Linears left dense (method None,
     or float tensors under "auto") the native bf16 kernel in bf16 models (layers/linear.py).
     None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
-    steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls."""
+    steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
+
+    Each weight is then held only in the forms some step reads (docs/memory.md): a Linear's
+    dense weight goes when its forms cover every row count (keep_dense_weights keeps it, for
+    a self-draft that quantizes from it), and a GGUF's embedding table stays in the file
+    (layers/embedding.py) when no LM head shares it dense."""
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
     weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto)
     cls = ARCHITECTURES[weights.config.architecture]
-    # Build on the meta device: no time spent initialising weights that are overwritten.
-    with torch.device("meta"):
-        model = cls(weights.config, torch_dtype)
-    model = model.to_empty(device="cpu")
-    model.rotary.__init__(  # buffers are computed, not loaded: rebuild them on the CPU
-        weights.config.head_dim,
-        weights.config.max_position_embeddings,
-        weights.config.rope_theta,
-        weights.config.rope_scaling,
-    )
+    # Built straight on the CPU: the modules allocate their weights with torch.empty (no
+    # initialisation to overwrite). Not on the meta device: materialising meta tensors goes
+    # through torch's Python reference ops, which import sympy and torch.fx (~30 MiB held for
+    # the process's life, docs/memory.md).
+    model = cls(weights.config, torch_dtype)
     with torch.no_grad():
         model.load_weights(weights.tensors)
     model.eval()
@@ -101,8 +104,23 @@ def load_model(
         for linear in linears:
             if linear.large is None:
                 linear.set_dense_small_step(max(small_step[1], DENSE_BF16_MAX_ROWS), kernel_backend)
+    if not keep_dense_weights:
+        for linear in linears:
+            linear.release_dense_weight()
+    embedding_from_file(model, weights)
+    weights.tensors.clear()  # the model holds what it needs; the rest goes before packing
     weights_on_huge_pages(model)
+    release_free_heap()  # loading's float32 intermediates, freed but still held by malloc
     return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
+
+
+def embedding_from_file(model: LlamaForCausalLM, weights: LoadedWeights) -> None:
+    """Look token rows up in the memory-mapped GGUF instead of a dense table, when the table is
+    not also the LM head's dense weight (tied, and kept because some step reads it)."""
+    source = weights.embedding_rows
+    if source is None or (model.config.tie_word_embeddings and model.lm_head.weight is not None):
+        return
+    model.embed_tokens = FileEmbedding(source.data, source.type_name, source.qtype, model.config.hidden_size, model.dtype)
 
 
 def weights_on_huge_pages(model: nn.Module) -> None:

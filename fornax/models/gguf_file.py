@@ -173,6 +173,14 @@ class GGUFFile:
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors = [self._tensor(data_start, alignment, *info) for info in infos]
 
+    def drop_resident_pages(self) -> None:
+        """Unmap the pages read so far from this process (they stay in the page cache): after
+        loading copied what it needs, the file's bytes would otherwise count in the process's
+        resident set for as long as the map lives (the embedding rows keep it, layers/embedding.py).
+        A later read faults its pages back in."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def _tensor(
         self, data_start: int, alignment: int, name: str, dims: list[int], qtype_id: int, offset: int
     ) -> GGUFTensor:

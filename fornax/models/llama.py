@@ -31,10 +31,9 @@ class KVCache:
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     ) -> None:
         num_slots = num_blocks * block_size
-        self.layers = [
-            LayerKV.allocate(num_slots, config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.layers = LayerKV.allocate_layers(
+            config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype
+        )
         self.num_blocks, self.block_size, self.kv_cache_dtype = num_blocks, block_size, kv_cache_dtype
 
     @staticmethod
@@ -114,8 +113,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Given its (empty) weight, nn.Embedding skips its random init: time spent on a table
+        # that loading overwrites.
+        table = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
@@ -178,7 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive (linear_sources)."""
         self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
         self.norm.weight.copy_(tensors["model.norm.weight"])
-        for linear, names in self.linear_sources():
+        sources = self.linear_sources()
+        if self.config.tie_word_embeddings:  # one table for both ends, not two copies of it
+            self.lm_head.weight = self.embed_tokens.weight
+            sources = sources[1:]  # linear_sources() lists the head first
+        for linear, names in sources:
             linear.weight.copy_(torch.cat([tensors[n] for n in names], dim=0))
             if linear.bias is not None:  # Qwen2's QKV bias
                 linear.bias.copy_(torch.cat([tensors[n.removesuffix("weight") + "bias"] for n in names]))

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
-from fornax.models.gguf_file import GGUFFile, GGUFFormatError
+from fornax.models.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 
 # GGUF architecture name -> (HF architecture, permuted Q/K, QKV bias, per-head Q/K norm)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
@@ -98,6 +98,9 @@ class LoadedWeights:
     # (_FILE_QUANTIZATION), so `quantization="auto"` can use what the file carries.
     file_quantization: dict[str, str] = field(default_factory=dict)
     int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)  # only when asked for
+    # GGUF only: the embedding table's tensor in the memory-mapped file, so that its rows can be
+    # read from there when nothing needs the table dense (layers/embedding.py).
+    embedding_rows: GGUFTensor | None = None
 
 
 _PARSE_ERRORS = (ValueError, IndexError, KeyError, struct.error, OverflowError, MemoryError, RecursionError)
@@ -274,6 +277,7 @@ def _weights_from_gguf(
     file_quantization: dict[str, str] = {}
     int4_blocks: dict[str, Int4Blocks] = {}
     freq_factors: torch.Tensor | None = None
+    embedding_rows: GGUFTensor | None = None
     bar = tqdm(gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr)
     for t in bar:
         array = dequantize(t.data, t.qtype)  # numpy, HF (row-major) shape
@@ -282,6 +286,8 @@ def _weights_from_gguf(
             continue
         hf_name = _gguf_to_hf_name(t.name)
         assert hf_name is not None  # _check_gguf_shapes refused any other name
+        if hf_name == "model.embed_tokens.weight":
+            embedding_rows = t
         heads = None
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
@@ -306,7 +312,8 @@ def _weights_from_gguf(
         scaling = {"rope_type": "freq_factors", "factors": freq_factors.tolist()}
     config = _replace(config, tie_word_embeddings=tied, rope_scaling=scaling)
     _check_tensor_set(config, tensors)
-    return LoadedWeights(config, tensors, metadata, file_quantization, int4_blocks)
+    gguf_file.drop_resident_pages()  # every tensor above is a copy now
+    return LoadedWeights(config, tensors, metadata, file_quantization, int4_blocks, embedding_rows)
 
 
 def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:

@@ -305,6 +305,16 @@ async def admin_state(request: Request) -> dict[str, Any]:
     return out
 
 
+@router.get("/admin/memory")
+async def admin_memory(request: Request) -> dict[str, Any]:
+    """The process's resident memory by owner (engine/memory.py), read between steps."""
+    state = _state(request)
+    if state.engine is None or state.engine.dead_error is not None:
+        raise ApiError(503, "the engine is not running", code="engine_unavailable")
+    report = await state.engine.call(lambda core: core.memory_report())
+    return {"object": "memory", **report.as_dict()}
+
+
 def _engine_snapshot(core: Any) -> dict[str, Any]:
     """Read in the engine thread, between steps, so the numbers agree with each other."""
     try:

@@ -10,6 +10,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers import hugepages
 from fornax.layers.linear import DenseBf16, Linear
+from fornax.layers.memory import resident_bytes
 from tests.model.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not hugepages.HUGE_PAGES_USABLE, reason="no transparent huge pages here")
@@ -29,15 +30,22 @@ def _mapping_flags(ptr: int) -> str:
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
-def test_empty_is_aligned_and_advised():
-    pool = hugepages.empty((4096 * 16, 3, 64), torch.bfloat16)  # 12 MiB
-    assert pool.shape == (4096 * 16, 3, 64) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
-    assert pool.data_ptr() % hugepages.HUGE_PAGE == 0
-    assert " hg" in _mapping_flags(pool.data_ptr())
-    pool.fill_(1.5)
-    assert pool.float().sum().item() == 1.5 * pool.numel()
-    small = hugepages.empty((10, 3), torch.float32)  # under a page: plain torch memory
-    assert " hg" not in _mapping_flags(small.data_ptr())
+def test_zeros_are_untouched_until_written_aligned_and_advised():
+    pools = hugepages.zeros_many([((4096 * 16, 3, 64), torch.bfloat16)] * 2 + [((1000, 3), torch.float32)])  # 2 x 12 MiB
+    first = pools[0]
+    assert first.shape == (4096 * 16, 3, 64) and first.dtype == torch.bfloat16 and first.is_contiguous()
+    assert first.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert all(t.data_ptr() % hugepages.ALIGN == 0 for t in pools)
+    assert " hg" in _mapping_flags(first.data_ptr())
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in pools]
+    assert resident_bytes(spans) == 0  # nothing resident before the first write
+    pools[1][-1].fill_(1.5)
+    assert 0 < resident_bytes(spans) <= hugepages.HUGE_PAGE  # one page (huge or small) written
+    # (read after the count: mincore counts pages that reads mapped to the kernel's zero page)
+    assert pools[1].float().sum().item() == 1.5 * 3 * 64
+    assert pools[0].abs().sum().item() == 0 and pools[2].abs().sum().item() == 0
+    small = hugepages.zeros((10, 3), torch.float32)  # under a page: plain torch memory
+    assert " hg" not in _mapping_flags(small.data_ptr()) and small.abs().sum().item() == 0
 
 
 def test_pack_keeps_values_in_one_advised_mapping():

@@ -120,3 +120,7 @@ class KVConnector(ABC):
 
     def check_integrity(self) -> None:
         """Assert the connector's own invariants (tests)."""
+
+    def memory_tensors(self) -> list[Any]:
+        """The tensors this connector holds in memory (the memory breakdown, engine/memory.py)."""
+        return []

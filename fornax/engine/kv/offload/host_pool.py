@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fornax.layers import hugepages
 from fornax.layers.kv_pool import LayerKV, dequantize_rows, quantize_rows
 
 
@@ -172,7 +173,9 @@ class HostPool:
 
     def __init__(self, layout: BlockLayout, num_slots: int) -> None:
         self.layout = layout
-        self.data = torch.empty(num_slots, layout.block_bytes, dtype=torch.uint8)
+        # Its own anonymous mapping, resident only as slots are first written (the prefaulter
+        # runs ahead of that), and counted apart from malloc's heap in the memory breakdown.
+        self.data = hugepages.zeros((num_slots, layout.block_bytes), torch.uint8)
         self.values, self.scales = layout.views(self.data)
         self._prefault = _Prefaulter(self.data)
         self._prefault.advance(-1)  # the first slots before the first save

@@ -35,6 +35,8 @@ from fornax.engine.kv.offload.host_pool import BlockLayout, HostPool
 logger = logging.getLogger("fornax.kv.offload")
 
 if TYPE_CHECKING:
+    import torch
+
     from fornax.engine.request import Request
     from fornax.models.llama import KVCache
 
@@ -254,6 +256,9 @@ class TieredConnector(KVConnector):
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        return [self.pool.data]
 
     def stats(self) -> OffloadStats:
         s = self._stats

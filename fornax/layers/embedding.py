@@ -1,0 +1,66 @@
+"""Token embeddings read from the model file's own bytes, one row per looked-up token.
+
+Why: the embedding table is the largest single weight of a small model (SmolLM2-135M: 49,152
+x 576, 54 MiB in bf16), yet a step reads only one row per token. When nothing else needs the
+table dense (the LM head has its own quantized forms, or is a separate tensor), the rows stay
+in the memory-mapped GGUF and are converted as they are looked up: only the pages of tokens
+actually seen become resident, and those are file pages the kernel can drop and re-read.
+
+Each row is converted exactly as the loader converts the whole table (the file's values to
+float32, then to the model's dtype), so the result is bit for bit what the dense table gave
+(tests/model/test_memory_forms.py). Q8_0, F16, BF16 and F32 rows are converted with torch
+ops (tens of microseconds per step); other types through the `gguf` package's dequantizers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
+
+
+class FileEmbedding(nn.Module):
+    """nn.Embedding's forward over rows kept in a GGUF tensor's raw bytes ([vocab, row_bytes])."""
+
+    def __init__(self, rows: np.ndarray, type_name: str, qtype: object, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.type_name, self.qtype, self.hidden, self.dtype = type_name, qtype, hidden, dtype
+        self.num_embeddings = rows.shape[0]
+        self._numpy_rows = rows  # for the gguf dequantizers (types without a torch path)
+        with warnings.catch_warnings():  # the map is read-only, and nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(rows.view(np.uint8).reshape(rows.shape[0], -1))
+        # A buffer, so copies of the module tree (the self-draft model) share it; not saved.
+        self.register_buffer("raw", raw, persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def __deepcopy__(self, memo: dict) -> FileEmbedding:
+        return self  # read-only file bytes: a copy would only duplicate them
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw[input_ids.reshape(-1)]  # [N, row_bytes] uint8
+        n = rows.shape[0]
+        if self.type_name == "Q8_0":
+            blocks = rows.view(n, -1, Q8_0_BLOCK_BYTES)
+            scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, blocks, 1]
+            values = blocks[..., 2:].view(torch.int8).float()  # [N, blocks, 32]
+            out = (values * scale).view(n, self.hidden)
+        elif self.type_name == "F32":
+            out = rows.view(torch.float32)
+        elif self.type_name == "F16":
+            out = rows.view(torch.float16).float()
+        elif self.type_name == "BF16":
+            out = rows.view(torch.bfloat16).float()
+        else:
+            from gguf.quants import dequantize
+
+            picked = self._numpy_rows[input_ids.reshape(-1).numpy()]
+            out = torch.from_numpy(np.ascontiguousarray(dequantize(picked, self.qtype), dtype=np.float32))
+        return out.to(self.dtype).view(*input_ids.shape, self.hidden)
