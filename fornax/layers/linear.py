@@ -353,6 +353,12 @@ class Linear(nn.Module):
         kernel = int8_matmul_for(self._dense(), backend)
         if kernel is not None:
             self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel), min_rows
+            if isinstance(self.small, BlockInt8) and min_rows <= 1:
+                # Both read int8 weights, and the int8 x int8 kernel was the faster at every row
+                # count, one included (one row, the default model's shapes: LM head 477 us against
+                # 558, gate/up 18 against 36, down 12 against 22, 2026-12-05): the weight-only
+                # form would be a second int8 copy (28.7 MiB for the LM head) that loses.
+                self.small, self.small_max_rows = None, 0
             self._clip_mid()
 
     def needs_dense_weight(self) -> bool:
