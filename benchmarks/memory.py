@@ -2,8 +2,8 @@
 (engine/memory.py), side by side with llama.cpp's server when one is given.
 
 Each server serves the default model's Q4_1 GGUF with the same KV budget (--kv MiB; for
-llama-server, the f16 context that fits in it: -c tokens, a multiple of 256) and takes the same
-load: `fornax bench serve`, 64 random requests of 128 prompt and 128 output tokens, 32 at a
+llama-server, the largest f16 context that fits in it as it sizes one: 32 slots of a multiple
+of 256 tokens each, so 16,384 tokens, 360 MiB, for 384 MiB) and takes the same load: `fornax bench serve`, 64 random requests of 128 prompt and 128 output tokens, 32 at a
 time (benchmarks/serve_streams.sh's workload). RSS is read from /proc/PID/status when the
 server is ready and again 2 s after the load ends; fornax's breakdown from GET /admin/memory.
 fornax runs make run's flags (--quantization auto --large-step-quantization w8a8).
@@ -33,6 +33,7 @@ from fornax.models.registry import resolve_model
 FORNAX_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--max-num-seqs", "64",
                 "--no-access-log", "--log-level", "warning"]  # fmt: skip
 ADMIN_KEY = "sk-memory-admin"
+LLAMA_SLOTS = 32  # -np: one slot per concurrent stream of the load
 GOAL = 1.3
 MiB = 1 << 20
 
@@ -81,20 +82,28 @@ def measure_fornax(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             "breakdown_before": parts_before, "breakdown_after": parts_after}  # fmt: skip
 
 
-def llama_context(gguf: Path, kv_bytes: int) -> int:
-    """Tokens of f16 K and V that fit in kv_bytes, in llama.cpp's multiples of 256."""
+def llama_kv_bytes_per_token(gguf: Path) -> int:
+    """f16 K and V of one token over all layers."""
     from fornax.models.loader import gguf_model_config, read_gguf
 
     c = gguf_model_config(read_gguf(gguf).metadata, name=gguf.stem)
-    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
-    return kv_bytes // per_token // 256 * 256
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+
+
+def llama_context(gguf: Path, kv_bytes: int, slots: int) -> int:
+    """Tokens of f16 K and V that fit in kv_bytes, as llama-server sizes them: each of its
+    `slots` gets n_ctx / slots, padded up to a multiple of 256 (a -c between two such sizes
+    is rounded up to the next, e.g. -c 17408 with 32 slots became 24,576 tokens)."""
+    per_token = llama_kv_bytes_per_token(gguf)
+    step = 256 * slots
+    return kv_bytes // per_token // step * step
 
 
 def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    ctx = llama_context(gguf, args.kv * MiB)
-    cmd = [args.llama_server, "-m", str(gguf), "-np", "32", "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
+    ctx = llama_context(gguf, args.kv * MiB, LLAMA_SLOTS)
+    cmd = [args.llama_server, "-m", str(gguf), "-np", str(LLAMA_SLOTS), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
     with open(log_dir / "llama-server.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -117,7 +126,8 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s, "context_tokens": ctx}
+    kv = ctx * llama_kv_bytes_per_token(gguf)
+    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s, "context_tokens": ctx, "kv_bytes": kv}
 
 
 def main() -> int:
@@ -144,6 +154,9 @@ def main() -> int:
         print(f"  {n / MiB:8.1f}  {owner}")
     print(f"  {after['unattributed_bytes'] / MiB:8.1f}  unattributed")
     if args.llama_server:
+        llama = result["llama_server"]
+        print(f"\nllama-server: -c {llama['context_tokens']}, an f16 KV cache of {llama['kv_bytes'] / MiB:.1f} MiB "
+              f"(fornax: {args.kv} MiB)")
         ratio = result["fornax"]["rss_after"] / result["llama_server"]["rss_after"]
         result["ratio_after"] = ratio
         print(f"\nRSS after the load, fornax / llama-server: {ratio:.2f}x (goal <= {GOAL}x)")
