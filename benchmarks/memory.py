@@ -3,8 +3,9 @@
 
 Each server serves the default model's Q4_1 GGUF with the same KV budget (--kv MiB; for
 llama-server, the largest f16 context that fits in it as it sizes one: 32 slots of a multiple
-of 256 tokens each, so 16,384 tokens, 360 MiB, for 384 MiB) and takes the same load: `fornax bench serve`, 64 random requests of 128 prompt and 128 output tokens, 32 at a
-time (benchmarks/serve_streams.sh's workload). RSS is read from /proc/PID/status when the
+of 256 tokens each, so 16,384 tokens, 360 MiB, for 384 MiB) and takes the same load: `fornax
+bench serve`, 64 random requests of 128 prompt and 128 output tokens, 32 at a time
+(benchmarks/serve_streams.sh's workload). RSS is read from /proc/PID/status when the
 server is ready and again 2 s after the load ends; fornax's breakdown from GET /admin/memory.
 fornax runs make run's flags (--quantization auto --large-step-quantization w8a8).
 Goal (docs/memory.md): fornax's RSS after the load <= 1.3x llama-server's.
@@ -49,8 +50,8 @@ def rss_bytes(pid: int) -> int:
 def load(url: str, out: Path, api_key: str | None) -> float:
     """The fixed load; its output tok/s."""
     cmd = [sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-           "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64", "--num-warmups", "2",
-           "--max-concurrency", "32", "--seed", "0", "--no-progress", "--json", str(out)]  # fmt: skip
+           "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64",
+           "--num-warmups", "2", "--max-concurrency", "32", "--seed", "0", "--no-progress", "--json", str(out)]  # fmt: skip
     if api_key:
         cmd += ["--api-key", api_key]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -68,8 +69,8 @@ def breakdown(url: str) -> dict[str, Any]:
 
 
 def measure_fornax(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    server = Process("fornax", ["serve", args.model, "--kv-cache-memory", f"{args.kv}MiB", "--admin-key", ADMIN_KEY,
-                                *FORNAX_FLAGS], log_dir)  # fmt: skip
+    kv = ["--kv-cache-memory", f"{args.kv}MiB"]
+    server = Process("fornax", ["serve", args.model, *kv, "--admin-key", ADMIN_KEY, *FORNAX_FLAGS], log_dir)
     try:
         server.wait_ready(lambda r: r.status_code == 200)
         before, parts_before = rss_bytes(server.proc.pid), breakdown(server.url)
@@ -103,7 +104,8 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ctx = llama_context(gguf, args.kv * MiB, LLAMA_SLOTS)
-    cmd = [args.llama_server, "-m", str(gguf), "-np", str(LLAMA_SLOTS), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [args.llama_server, "-m", str(gguf), "-np", str(LLAMA_SLOTS), "-c", str(ctx),
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     with open(log_dir / "llama-server.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -127,7 +129,8 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
         proc.terminate()
         proc.wait(timeout=30)
     kv = ctx * llama_kv_bytes_per_token(gguf)
-    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s, "context_tokens": ctx, "kv_bytes": kv}
+    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s,
+            "context_tokens": ctx, "kv_bytes": kv}  # fmt: skip
 
 
 def main() -> int:
@@ -144,10 +147,13 @@ def main() -> int:
         result["fornax"] = measure_fornax(args, Path(tmp))
         if args.llama_server:
             result["llama_server"] = measure_llama(args, gguf, Path(tmp))
-    rows = [("fornax serve", result["fornax"])] + ([("llama-server", result["llama_server"])] if args.llama_server else [])
+    rows = [("fornax serve", result["fornax"])]
+    if args.llama_server:
+        rows.append(("llama-server", result["llama_server"]))
     print(f"{'server':<14} {'RSS ready MiB':>14} {'RSS after MiB':>14} {'output tok/s':>13}")
     for name, r in rows:
-        print(f"{name:<14} {r['rss_before'] / MiB:14.1f} {r['rss_after'] / MiB:14.1f} {r['output_tok_s']:13.1f}")
+        before, after_load = r["rss_before"] / MiB, r["rss_after"] / MiB
+        print(f"{name:<14} {before:14.1f} {after_load:14.1f} {r['output_tok_s']:13.1f}")
     print("\nfornax after the load, by owner (MiB):")
     after = result["fornax"]["breakdown_after"]
     for owner, n in after["owners"].items():
@@ -155,7 +161,8 @@ def main() -> int:
     print(f"  {after['unattributed_bytes'] / MiB:8.1f}  unattributed")
     if args.llama_server:
         llama = result["llama_server"]
-        print(f"\nllama-server: -c {llama['context_tokens']}, an f16 KV cache of {llama['kv_bytes'] / MiB:.1f} MiB "
+        kv_mib = llama["kv_bytes"] / MiB
+        print(f"\nllama-server: -c {llama['context_tokens']}, an f16 KV cache of {kv_mib:.1f} MiB "
               f"(fornax: {args.kv} MiB)")
         ratio = result["fornax"]["rss_after"] / result["llama_server"]["rss_after"]
         result["ratio_after"] = ratio

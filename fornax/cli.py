@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
-    memory = sub.add_parser("memory", help="load a model as the flags say and print its resident memory by owner")
+    memory = sub.add_parser("memory", help="load a model as the flags say; print its memory by owner")
     memory.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     _add_model_args(memory)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -309,7 +309,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from fornax.cluster.cli import serve_replicas
 
         return serve_replicas(args)
-    from fornax.config import load_api_keys, parse_kv_cache_memory, parse_memory_size
+    from fornax.config import load_api_keys, parse_kv_cache_memory
     from fornax.server.app import serve
 
     model = args.model_arg or args.model
@@ -332,9 +332,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
         large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
         kernel_backend=args.kernel_backend, num_threads=args.num_threads,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_kv_cache_memory(args.kv_cache_memory),
-                          num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                          kv_cache_dtype=args.kv_cache_dtype),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory=parse_kv_cache_memory(args.kv_cache_memory), num_blocks=args.num_blocks,
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, policy=args.scheduling_policy),
         speculative=speculative_config(args),
@@ -370,7 +370,8 @@ def handler(command: str) -> Callable[[argparse.Namespace], int | None]:
     if command in _HANDLER_MODULES:
         module, name = _HANDLER_MODULES[command]
         return getattr(importlib.import_module(module), name)
-    commands = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "memory": cmd_memory}
+    commands = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "memory": cmd_memory}  # fmt: skip
     return commands[command]
 
 

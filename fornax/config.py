@@ -69,7 +69,7 @@ def machine_memory() -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            text = open(limit_file).read().strip()
+            text = Path(limit_file).read_text().strip()
         except OSError:
             continue
         if text.isdigit():
@@ -77,7 +77,9 @@ def machine_memory() -> int:
     return total
 
 
-def default_kv_cache_memory(bytes_per_token: int, max_model_len: int, max_num_seqs: int, total: int | None = None) -> int:
+def default_kv_cache_memory(
+    bytes_per_token: int, max_model_len: int, max_num_seqs: int, total: int | None = None
+) -> int:
     """The KV budget when none is given, like vLLM's share of device memory and llama.cpp's
     context from the model: KV_CACHE_MEMORY_FRACTION of the machine's memory, but at least one
     sequence of max_model_len tokens (else the longest requests could never run) and at most

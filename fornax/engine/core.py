@@ -59,10 +59,12 @@ class EngineCore:
         block_bytes = KVCache.bytes_per_block(loaded.config, cache.block_size, dtype, cache.kv_cache_dtype)
         budget = cache.kv_cache_memory
         if budget is None:  # "auto"
-            budget = default_kv_cache_memory(block_bytes // cache.block_size, max_len, config.scheduler.max_num_seqs)
+            per_token = block_bytes // cache.block_size
+            budget = default_kv_cache_memory(per_token, max_len, config.scheduler.max_num_seqs)
         num_blocks = cache.num_blocks or max(1, budget // block_bytes)
+        auto = " (auto)" if cache.kv_cache_memory is None else ""
         logger.info("KV cache: %d blocks of %d tokens, %.0f MiB%s", num_blocks, cache.block_size,
-                    num_blocks * block_bytes / 2**20, " (auto)" if cache.kv_cache_memory is None else "")  # fmt: skip
+                    num_blocks * block_bytes / 2**20, auto)  # fmt: skip
         self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
@@ -86,20 +88,20 @@ class EngineCore:
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
         self.last_step: tuple[int, int] = (0, 0)  # (batched tokens, sequences) of the last step
-        # Lifecycle events for live views (engine/events.py). The tap builds events only while
-        # the bus has a subscriber; None removes even that check (the overhead benchmark's baseline).
         # Memory breakdown (engine/memory.py): what the tokenizer took as it loaded (set by
         # build_engine_core, which measures it), and the files whose pages hold weights.
         self.tokenizer_bytes = 0
         path = loaded.resolved.gguf_path
-        self.model_files = [str(path.resolve())] if path is not None else []
+        self.model_files = {str(path.resolve())} if path is not None else set()
+        # Lifecycle events for live views (engine/events.py). The tap builds events only while
+        # the bus has a subscriber; None removes even that check (the overhead benchmark's baseline).
         self.events = EventBus()
         self.event_tap: EventTap | None = EventTap(self.events, cache.block_size)
         torch.manual_seed(config.seed)
 
     def memory_report(self) -> MemoryReport:
         """The process's resident memory by owner (engine/memory.py); call between steps."""
-        return memory_report(self, self.model_files)
+        return memory_report(self)
 
     # -- requests in and out --
     def add_request(

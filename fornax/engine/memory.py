@@ -24,13 +24,17 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import Linear
-from fornax.layers.memory import malloc_stats, mapped_rss, process_rss, resident_bytes
+from fornax.layers.memory import file_rss, malloc_stats, process_rss, resident_bytes
+
+if TYPE_CHECKING:
+    from fornax.engine.core import EngineCore
 
 # A Linear's forms by class, as the breakdown names them: what each is and which steps use it.
 FORM_NAMES = {
@@ -89,7 +93,8 @@ def weight_tensors(model: nn.Module, prefix: str = "weights") -> list[tuple[str,
     for module in model.modules():
         if isinstance(module, Linear):
             if module.weight is not None:
-                out.append((f"{prefix}: dense {str(module.weight.dtype).removeprefix('torch.')}", module.weight))
+                dtype = str(module.weight.dtype).removeprefix("torch.")
+                out.append((f"{prefix}: dense {dtype}", module.weight))
                 linear_params.add(id(module.weight))
             if module.bias is not None:
                 out.append((f"{prefix}: norms and biases", module.bias))
@@ -110,21 +115,21 @@ def weight_tensors(model: nn.Module, prefix: str = "weights") -> list[tuple[str,
     return out
 
 
-def engine_tensors(core: object) -> list[tuple[str, torch.Tensor]]:
+def engine_tensors(core: EngineCore) -> list[tuple[str, torch.Tensor]]:
     """The tensors an EngineCore owns, by owner (first claim wins where two share memory)."""
-    runner = core.runner  # type: ignore[attr-defined]
+    runner = core.runner
     model = runner.model
     out = weight_tensors(model)
     out += [("rotary tables", b) for b in model.rotary.buffers()]
     out += [("KV cache pools", t) for layer in runner.kv_cache.layers for t in layer.tensors()]
     if runner.kv_connector is not None:
         out += [("KV host tier", t) for t in runner.kv_connector.memory_tensors()]
-    spec = getattr(core, "spec", None)
-    proposer = getattr(spec, "proposer", None)
-    draft = getattr(proposer, "model", None)
+    proposer = core.spec.proposer if core.spec is not None else None
+    draft = getattr(proposer, "model", None)  # the draft-model proposers own a model and its KV
     if isinstance(draft, nn.Module):
         out += weight_tensors(draft, "draft model")
-        out += [("draft model KV pools", t) for layer in proposer.kv_cache.layers for t in layer.tensors()]  # type: ignore[union-attr]
+        draft_layers = proposer.kv_cache.layers  # type: ignore[union-attr]
+        out += [("draft model KV pools", t) for layer in draft_layers for t in layer.tensors()]
     return out
 
 
@@ -175,29 +180,29 @@ def python_object_arenas() -> int | None:
     return int(match.group(1)) * int(match.group(2)) if match else None
 
 
-def memory_report(core: object, model_files: Iterable[str] = ()) -> MemoryReport:
-    """The process's resident memory by owner; `model_files`: paths whose mapped pages belong
-    to the weights (the GGUF the embedding rows are read from), not to the libraries."""
-    tensors = engine_tensors(core)
-    owners = _by_owner(tensors)
+def memory_report(core: EngineCore) -> MemoryReport:
+    """The process's resident memory by owner. The pages mapped from core.model_files (the GGUF
+    the embedding rows are read from) belong to the weights, not to the libraries."""
+    owners = _by_owner(engine_tensors(core))
     lines = [MemoryLine(owner, resident_bytes(spans)) for owner, spans in owners.items()]
-    tokenizer = int(getattr(core, "tokenizer_bytes", 0))
-    lines.append(MemoryLine("tokenizer", tokenizer))
+    lines.append(MemoryLine("tokenizer", core.tokenizer_bytes))
     stats = malloc_stats()
     if stats is not None:
-        # torch allocates tensors below the packed weights' and pools' own mappings with malloc
-        # (the rotary tables, norms on systems without huge pages): counted above already.
-        in_malloc = sum(size for owner, spans in owners.items() for _, size in spans if owner == "rotary tables")
-        lines.append(MemoryLine("malloc in use: step tensors, oneDNN scratch, Python's large objects",
-                                max(0, stats.in_use - tokenizer - in_malloc)))  # fmt: skip
+        # The rotary tables come from malloc and are counted above already. (Where transparent
+        # huge pages are off, hugepages.pack leaves the weights in malloc too, and they are then
+        # counted twice: not handled.)
+        rotary = sum(size for _, size in owners.get("rotary tables", []))
+        in_use = max(0, stats.in_use - core.tokenizer_bytes - rotary)
+        owner = "malloc in use: step tensors, oneDNN scratch, Python's large objects"
+        lines.append(MemoryLine(owner, in_use))
     arenas = python_object_arenas()
     if arenas is not None:
         lines.append(MemoryLine("Python objects (small-object arenas)", arenas))
-    mapped = mapped_rss()
-    files = set(model_files)
+    files = file_rss()
     # mincore would report the page cache, not this process's share: smaps gives the latter.
-    model_pages = sum(v for p, v in mapped.files.items() if p in files)
+    model_pages = sum(v for p, v in files.items() if p in core.model_files)
     if model_pages:
         lines.append(MemoryLine("weights: model file pages (embedding rows read in place)", model_pages))
-    lines.append(MemoryLine("shared libraries (code and data)", sum(v for p, v in mapped.files.items() if p not in files)))
+    libraries = sum(v for p, v in files.items() if p not in core.model_files)
+    lines.append(MemoryLine("shared libraries (code and data)", libraries))
     return MemoryReport(rss=process_rss(), lines=lines)

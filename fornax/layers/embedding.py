@@ -8,7 +8,7 @@ actually seen become resident, and those are file pages the kernel can drop and 
 
 Each row is converted exactly as the loader converts the whole table (the file's values to
 float32, then to the model's dtype), so the result is bit for bit what the dense table gave
-(tests/model/test_memory_forms.py). Q8_0, F16, BF16 and F32 rows are converted with torch
+(tests/model/test_memory.py). Q8_0, F16, BF16 and F32 rows are converted with torch
 ops (tens of microseconds per step); other types through the `gguf` package's dequantizers.
 """
 
@@ -18,6 +18,7 @@ import warnings
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
@@ -26,37 +27,33 @@ Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
 class FileEmbedding(nn.Module):
     """nn.Embedding's forward over rows kept in a GGUF tensor's raw bytes ([vocab, row_bytes])."""
 
-    def __init__(self, rows: np.ndarray, type_name: str, qtype: object, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, rows: np.ndarray, qtype: GGMLQuantizationType, hidden: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.type_name, self.qtype, self.hidden, self.dtype = type_name, qtype, hidden, dtype
-        self.num_embeddings = rows.shape[0]
+        self.qtype, self.hidden, self.dtype = qtype, hidden, dtype
         self._numpy_rows = rows  # for the gguf dequantizers (types without a torch path)
         with warnings.catch_warnings():  # the map is read-only, and nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(rows.view(np.uint8).reshape(rows.shape[0], -1))
-        # A buffer, so copies of the module tree (the self-draft model) share it; not saved.
-        self.register_buffer("raw", raw, persistent=False)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
+            self.raw = torch.from_numpy(rows.view(np.uint8).reshape(rows.shape[0], -1))
 
     def __deepcopy__(self, memo: dict) -> FileEmbedding:
-        return self  # read-only file bytes: a copy would only duplicate them
+        return self  # read-only file bytes: a copy (the self-draft model's) would only duplicate them
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.raw[input_ids.reshape(-1)]  # [N, row_bytes] uint8
         n = rows.shape[0]
-        if self.type_name == "Q8_0":
+        kind = self.qtype.name
+        if kind == "Q8_0":
             blocks = rows.view(n, -1, Q8_0_BLOCK_BYTES)
             scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, blocks, 1]
             values = blocks[..., 2:].view(torch.int8).float()  # [N, blocks, 32]
             out = (values * scale).view(n, self.hidden)
-        elif self.type_name == "F32":
+        elif kind == "F32":
             out = rows.view(torch.float32)
-        elif self.type_name == "F16":
+        elif kind == "F16":
             out = rows.view(torch.float16).float()
-        elif self.type_name == "BF16":
+        elif kind == "BF16":
             out = rows.view(torch.bfloat16).float()
         else:
             from gguf.quants import dequantize

@@ -304,7 +304,8 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # None once release_dense_weight finds that the step forms cover every row count.
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        dense = torch.empty(out_features, in_features, dtype=dtype)
+        self.weight: nn.Parameter | None = nn.Parameter(dense, requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.small: LinearMethod | None = None
         self.small_max_rows = 0
@@ -368,7 +369,8 @@ class Linear(nn.Module):
             return True
         if self.large is None:
             return True
-        covered = max(self.small_max_rows if self.small is not None else 0, self.mid_max_rows if self.mid is not None else 0)
+        small = self.small_max_rows if self.small is not None else 0
+        covered = max(small, self.mid_max_rows if self.mid is not None else 0)
         return covered + 1 < self.large_min_rows  # rows in (covered, large_min_rows) fall through
 
     def release_dense_weight(self) -> bool:
@@ -396,6 +398,7 @@ class Linear(nn.Module):
             y = self.mid(x)
         else:
             if self.weight is None:  # release_dense_weight checked that no row count gets here
-                raise RuntimeError(f"Linear({self.in_features}, {self.out_features}): no form serves {rows} rows")
+                shape = f"{self.in_features}, {self.out_features}"
+                raise RuntimeError(f"Linear({shape}): no form serves {rows} rows")
             return F.linear(x, self.weight, self.bias)
         return y + self.bias if self.bias is not None else y

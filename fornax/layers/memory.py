@@ -3,10 +3,10 @@
 Three probes and one action, each with a fallback where the platform lacks it:
 - `resident_bytes(ranges)`: how much of some address ranges is in RAM (mincore(2)), so the KV
   pools, left untouched until used, count only the pages a request has written.
-- `malloc_stats()`: glibc's own account of its heap (mallinfo2(3)): bytes handed out, and bytes
-  freed but kept for reuse. torch's CPU tensors, oneDNN's scratch buffers, the tokenizer and
+- `malloc_stats()`: glibc's own account of its heap (mallinfo2(3)): bytes handed out. torch's
+  CPU tensors, oneDNN's scratch buffers, the tokenizer and
   Python's larger objects all come from malloc.
-- `mapped_rss()`: /proc/self/smaps, resident bytes per mapping kind (files vs anonymous).
+- `file_rss()`: /proc/self/smaps, the resident bytes of each mapped file.
 - `release_free_heap()`: hand malloc's freed-but-kept memory back to the kernel
   (malloc_trim(3)). Loading converts every weight through float32 intermediates; glibc keeps
   most of what they took (~650 MiB for the default model) unless asked.
@@ -53,7 +53,6 @@ class _MallInfo2(ctypes.Structure):
 @dataclass(frozen=True)
 class MallocStats:
     in_use: int  # bytes handed out and not yet freed (heap chunks and mmapped blocks)
-    free_held: int  # bytes freed but kept by malloc for reuse (its cache)
 
 
 def malloc_stats() -> MallocStats | None:
@@ -63,7 +62,7 @@ def malloc_stats() -> MallocStats | None:
         return None
     libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
-    return MallocStats(in_use=info.uordblks + info.hblkhd, free_held=info.fordblks)
+    return MallocStats(in_use=info.uordblks + info.hblkhd)
 
 
 def resident_bytes(ranges: list[tuple[int, int]]) -> int:
@@ -91,29 +90,18 @@ def resident_bytes(ranges: list[tuple[int, int]]) -> int:
     return total
 
 
-@dataclass(frozen=True)
-class MappedRss:
-    total: int  # the process's resident set
-    files: dict[str, int]  # resident bytes of file mappings (libraries, the model file), by path
-    anonymous: int  # anonymous mappings and the brk heap
-
-
-def mapped_rss(pid: int | str = "self") -> MappedRss:
+def file_rss() -> dict[str, int]:
+    """Resident bytes of this process's file mappings (libraries, the model file), by path."""
     files: dict[str, int] = {}
-    anonymous = 0
     path = None
-    with open(f"/proc/{pid}/smaps") as f:
+    with open("/proc/self/smaps") as f:
         for line in f:
             first = line.split(maxsplit=6)
             if len(first) >= 5 and "-" in first[0] and ":" in first[3]:  # a mapping's header line
                 path = first[5].strip() if len(first) > 5 and first[5].startswith("/") else None
-            elif line.startswith("Rss:"):
-                kib = int(line.split()[1]) * 1024
-                if path is None:
-                    anonymous += kib
-                else:
-                    files[path] = files.get(path, 0) + kib
-    return MappedRss(total=anonymous + sum(files.values()), files=files, anonymous=anonymous)
+            elif path is not None and line.startswith("Rss:"):
+                files[path] = files.get(path, 0) + int(line.split()[1]) * 1024
+    return files
 
 
 def process_rss() -> int:

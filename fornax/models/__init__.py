@@ -13,8 +13,8 @@ from torch import nn
 from fornax.config import ModelConfig
 from fornax.layers import hugepages
 from fornax.layers.embedding import FileEmbedding
-from fornax.layers.memory import release_free_heap
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
+from fornax.layers.memory import release_free_heap
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
@@ -120,7 +120,7 @@ def embedding_from_file(model: LlamaForCausalLM, weights: LoadedWeights) -> None
     source = weights.embedding_rows
     if source is None or (model.config.tie_word_embeddings and model.lm_head.weight is not None):
         return
-    model.embed_tokens = FileEmbedding(source.data, source.type_name, source.qtype, model.config.hidden_size, model.dtype)
+    model.embed_tokens = FileEmbedding(source.data, source.qtype, model.config.hidden_size, model.dtype)
 
 
 def weights_on_huge_pages(model: nn.Module) -> None:

@@ -116,7 +116,9 @@ class LlamaForCausalLM(nn.Module):
         # Given its (empty) weight, nn.Embedding skips its random init: time spent on a table
         # that loading overwrites.
         table = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
+        self.embed_tokens: nn.Module = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=table, _freeze=True
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)

@@ -103,7 +103,7 @@ def test_file_embedding_rows_equal_the_dense_table(type_name, dtype):
     elif type_name == "F16":
         raw = raw.view(np.float16)
     dense = torch.from_numpy(np.ascontiguousarray(dequantize(raw, qtype), dtype=np.float32)).to(dtype)
-    embedding = FileEmbedding(raw, type_name, qtype, 256, dtype)
+    embedding = FileEmbedding(raw, qtype, 256, dtype)
     ids = torch.tensor([[0, 299, 7], [7, 150, 42]])
     got = embedding(ids)
     assert got.shape == (2, 3, 256) and got.dtype == dtype

@@ -76,9 +76,10 @@ class GrammarState:
             if not self.matcher.accept_token(token):
                 if self._dead_end():
                     raise StructuredOutputsError(
-                        "structured_outputs", "the constraint cannot be met with this model's vocabulary: no token "
-                        "continues it here (it asks for a character the vocabulary cannot produce)",
-                    )  # fmt: skip
+                        "structured_outputs",
+                        "the constraint cannot be met with this model's vocabulary: no token continues it "
+                        "here (it asks for a character the vocabulary cannot produce)",
+                    )
                 raise RuntimeError(f"token {token} is not allowed by the request's grammar")
 
     def _dead_end(self) -> bool:
