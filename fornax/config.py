@@ -112,12 +112,34 @@ class ModelConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     name: str = "model"
+    # Gemma 3 (models/gemma3.py): which layers attend within the sliding window
+    # ("sliding_attention") and which see the whole context ("full_attention"); None: every
+    # layer alike (the window, if any, applies to all). The sliding layers' own RoPE base,
+    # the attention scale's divisor, and a tanh cap on the final logits.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"unsupported activation {self.hidden_act!r} (only SwiGLU/silu models)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError("layer_types must name one attention type per layer")
+            if not set(self.layer_types) <= {"sliding_attention", "full_attention"}:
+                raise ConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
+
+    @property
+    def interleaves_sliding_window(self) -> bool:
+        """Whether some layers attend within the window and others over the whole context."""
+        return self.sliding_window is not None and self.layer_types is not None and len(set(self.layer_types)) > 1
+
+
+# The gated MLP's activation: SwiGLU (Llama family) or GeGLU with tanh-approximated GELU (Gemma).
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype (fornax/layers/kv_pool.py)

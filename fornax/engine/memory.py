@@ -32,6 +32,7 @@ from torch import nn
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import Linear
 from fornax.layers.memory import file_rss, malloc_stats, process_rss, resident_bytes
+from fornax.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from fornax.engine.core import EngineCore
@@ -120,7 +121,7 @@ def engine_tensors(core: EngineCore) -> list[tuple[str, torch.Tensor]]:
     runner = core.runner
     model = runner.model
     out = weight_tensors(model)
-    out += [("rotary tables", b) for b in model.rotary.buffers()]
+    out += [("rotary tables", b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()]
     out += [("KV cache pools", t) for layer in runner.kv_cache.layers for t in layer.tensors()]
     if runner.kv_connector is not None:
         out += [("KV host tier", t) for t in runner.kv_connector.memory_tensors()]

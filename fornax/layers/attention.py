@@ -79,6 +79,9 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     kernel_rows: KernelRows | None = None
     kernel: PagedAttentionKernel | None = None  # also writes int8 K/V rows when loaded
+    # A model that interleaves sliding-window layers with full-attention ones (Gemma 3): the
+    # same step under the window, for its sliding layers; this metadata serves the others.
+    sliding: AttentionMetadata | None = None
 
 
 def build_attention_metadata(
@@ -86,8 +89,15 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None = None,
     kernel: PagedAttentionKernel | None = None,
+    interleaved: bool = False,
 ) -> AttentionMetadata:
-    """Bulk-build slot mapping, the kernel's rows and per-group gather indices and masks for one step."""
+    """Bulk-build slot mapping, the kernel's rows and per-group gather indices and masks for one step.
+    interleaved: the window applies only to some layers (ModelConfig.interleaves_sliding_window):
+    the result attends over the whole context, and its `sliding` within the window."""
+    if interleaved and sliding_window is not None:
+        full = build_attention_metadata(spans, block_size, None, kernel)
+        full.sliding = build_attention_metadata(spans, block_size, sliding_window, kernel)
+        return full
     offsets = np.cumsum([0] + [s.num_new for s in spans])
     slot_parts = []
     for s in spans:

@@ -38,6 +38,10 @@ class LayerOps(Protocol):
         """silu(gate) * up for gate_up = [gate | up] along the last dim."""
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (Gemma's GeGLU) for gate_up = [gate | up] along the last dim."""
+        ...
+
 
 class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +64,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class NativeOps:
@@ -93,6 +101,9 @@ class NativeOps:
         if not self._covers(gate_up):
             return self.fallback.silu_mul(gate_up)
         return self.fused.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.fallback.gelu_tanh_mul(gate_up)  # no native kernel yet: torch's, exactly
 
     def __deepcopy__(self, memo: dict) -> NativeOps:
         return self  # stateless; a model copy (self-drafting) shares it

@@ -38,19 +38,32 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin for every position; applied by gathering rows by position."""
+    """cos/sin per position: precomputed for every position and gathered by position, or (with
+    precompute=False) computed for the step's positions, for models whose table would be large
+    (Gemma 3: two tables of 32k positions x 256 values, 128 MiB). Both give the same bits:
+    position * inv_freq in float32, then cos and sin."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+        precompute: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim // 2] float32
+        if precompute:
+            emb = self._angles(torch.arange(max_positions, dtype=torch.int64))  # [max_positions, head_dim]
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+        self.precompute = precompute
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        freqs = torch.outer(positions.float(), self.inv_freq)  # [T, head_dim // 2]
+        return torch.cat((freqs, freqs), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos/sin [num_tokens, head_dim], gathered once per step and shared by all layers."""
+        """Per-token cos/sin [num_tokens, head_dim], made once per step and shared by all layers."""
+        if not self.precompute:
+            emb = self._angles(positions)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 

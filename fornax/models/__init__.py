@@ -15,17 +15,20 @@ from fornax.layers import hugepages
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.layers.memory import release_free_heap
+from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
 
 # HF architecture name -> implementation. The Llama family shares one implementation
-# whose config switches cover Mistral and Qwen2/3 (see models/llama.py).
+# whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
+# layers in a decoder of its own (models/gemma3.py).
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 logger = logging.getLogger("fornax.models")

@@ -30,10 +30,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "mistral": ("MistralForCausalLM", True, False, False),
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
+    "gemma3": ("Gemma3ForCausalLM", False, False, True),
 }
 SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
 }  # fmt: skip
+# What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
+# attends globally, the others within the window, with RoPE base 10,000 on those.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # Quant types we accept; the gguf package dequantizes each of these.
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
@@ -65,6 +70,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's GGUF names for its four norms per layer (llama.cpp's converter): ffn_norm is the norm
+# before the MLP, as in Llama, but HF calls that pre_feedforward_layernorm there.
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -181,6 +194,8 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
     heads = _meta_int(metadata, p + "attention.head_count", MAX_HEAD_COUNT)
     kv_heads = _meta_int(metadata, p + "attention.head_count_kv", MAX_HEAD_COUNT, default=heads)
     head_dim = _head_dim(metadata.get(p + "attention.key_length") or hidden // heads)
+    gemma = arch == "gemma3"
+    layers = _meta_int(metadata, p + "block_count", MAX_BLOCK_COUNT)
     rope_scaling = None
     scaling_type = metadata.get(p + "rope.scaling.type")
     if scaling_type == "linear":
@@ -193,7 +208,7 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             vocab_size=_gguf_vocab_size(metadata, arch),
             hidden_size=hidden,
             intermediate_size=_meta_int(metadata, p + "feed_forward_length", MAX_FEED_FORWARD_LENGTH),
-            num_hidden_layers=_meta_int(metadata, p + "block_count", MAX_BLOCK_COUNT),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -205,9 +220,24 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             attention_bias=has_bias,
             qk_norm=qk_norm,
             name=name,
+            **(_gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
         )
     except ConfigError as exc:
         raise ModelLoadError(f"bad GGUF model config: {exc}") from None
+
+
+def _gemma3_gguf_config(metadata: dict[str, Any], layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    window = _meta_int(metadata, "gemma3.attention.sliding_window", MAX_CONTEXT_LENGTH)
+    sliding = [(i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(layers)]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
+        # HF's query_pre_attn_scalar: head_dim, except in the 27B model (62 layers), which
+        # scales by hidden / heads (168 there); llama.cpp decides it the same way.
+        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
+    }
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -216,12 +246,13 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
 
 
@@ -284,8 +315,10 @@ def _weights_from_gguf(
         if t.name == "rope_freqs.weight":
             freq_factors = torch.tensor(np.asarray(array, dtype=np.float32))
             continue
-        hf_name = _gguf_to_hf_name(t.name)
+        hf_name = _gguf_to_hf_name(t.name, arch)
         assert hf_name is not None  # _check_gguf_shapes refused any other name
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w
         if hf_name == "model.embed_tokens.weight":
             embedding_rows = t
         heads = None
@@ -325,7 +358,8 @@ def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
     return {
         "model.embed_tokens.weight": (c.vocab_size, hidden), "lm_head.weight": (c.vocab_size, hidden),
         "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,), "pre_feedforward_layernorm.weight": (hidden,),
+        "post_feedforward_layernorm.weight": (hidden,),
         "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
         "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
         "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
@@ -342,7 +376,7 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
         if t.name == "rope_freqs.weight":
             expected: tuple[int, ...] = (config.head_dim // 2,)
         else:
-            hf_name = _gguf_to_hf_name(t.name)
+            hf_name = _gguf_to_hf_name(t.name, gguf_file.metadata.get("general.architecture", ""))
             if hf_name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name[:64]!r} in a {config.architecture} GGUF")
             layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
@@ -369,8 +403,15 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_HF_ARCHITECTURES))
         raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {supported})")
-    # transformers 5 nests RoPE settings in `rope_parameters`; older files use flat keys.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    gemma = arch == "Gemma3ForCausalLM"
+    # transformers 5 nests RoPE settings in `rope_parameters` (Gemma 3: one dict per layer
+    # type); older files use flat keys.
+    rope_parameters = raw.get("rope_parameters") or {}
+    local_rope = None
+    if gemma and "full_attention" in rope_parameters:
+        local_rope = rope_parameters.get("sliding_attention") or {}
+        rope_parameters = rope_parameters["full_attention"] or {}
+    rope = dict(rope_parameters or raw.get("rope_scaling") or {})
     rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
@@ -390,15 +431,31 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma ties unless told
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            hidden_act=raw.get("hidden_act", "silu"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             name=hf_dir.name,
+            **(_gemma3_hf_config(raw, local_rope) if gemma else {}),
         )
     except (KeyError, ConfigError) as exc:
         raise ModelLoadError(f"bad config.json in {hf_dir}: {exc}") from None
+
+
+def _gemma3_hf_config(raw: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+    local_theta = (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA
+    return {
+        "layer_types": tuple(types),
+        "rope_local_theta": float(local_theta),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or 256),
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+    }
 
 
 def load_hf_dir(hf_dir: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWeights:

@@ -95,7 +95,9 @@ class NativeStep:
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_cache: KVCache) -> NativeStep | None:
         kernel = load_decode_step()
-        if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm:
+        # the Llama layer's layout only: Qwen3's per-head norms and Gemma's four norms per layer,
+        # GeGLU and per-layer windows are not in the C step
+        if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm or type(model) is not LlamaForCausalLM:
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
         tiers: list[tuple[int, list]] = []

