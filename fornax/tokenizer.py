@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,23 @@ class SpecialTokens:
     add_eos: bool = False
 
 
+# Gemma's chat format: turns of <start_of_turn>{user|model}\n ... <end_of_turn>\n after BOS; a
+# system message has no turn of its own and is prepended to the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\\n\\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{% if m['role'] == 'user' and ns.system %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ (m['content'] or '') | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 class Tokenizer:
     """One model's tokenizer: encode/decode, special ids, and its chat template."""
 
@@ -191,7 +208,15 @@ class Tokenizer:
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         )
         style = "sentencepiece" if spm else "byte_level"
-        return cls(hf, specials, meta.get("tokenizer.chat_template"), style)
+        template = meta.get("tokenizer.chat_template")
+        if template is None and meta.get("general.architecture") == "gemma3":
+            # Gemma's turn format, for files converted without the template (the 270M base
+            # model's GGUF); a turn ends with <end_of_turn>, which must stop generation.
+            template = GEMMA_CHAT_TEMPLATE
+            end_of_turn = hf.token_to_id("<end_of_turn>")
+            if end_of_turn is not None and end_of_turn not in specials.extra_eos_ids:
+                specials = replace(specials, extra_eos_ids=(*specials.extra_eos_ids, end_of_turn))
+        return cls(hf, specials, template, style)
 
     @classmethod
     def from_gguf_file(cls, path: str | Path) -> Tokenizer:

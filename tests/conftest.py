@@ -17,3 +17,11 @@ def default_gguf() -> Path:
     from fornax.models.registry import resolve_model
 
     return resolve_model("smollm2-135m-instruct").gguf_path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of Gemma 3 270M's Q4_K_M GGUF (the gemma3-270m alias: four PyPI parts, joined)."""
+    from fornax.models.registry import resolve_model
+
+    return resolve_model("gemma3-270m").gguf_path
