@@ -257,7 +257,7 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
 
 
 # The small-step form that keeps a GGUF tensor's precision: 4-bit types -> int4, 5- to 8-bit
-# types -> int8. Q4_0/Q4_1 map onto torch's int4 layout block for block (Int4Blocks).
+# types -> int8. Q4_0/Q4_1/Q4_K map onto the int4 layout block for block (Int4Blocks).
 _FILE_QUANTIZATION = {
     "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
     "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8",
@@ -279,6 +279,36 @@ def _q4_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray
         m = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
         return q, d, m + 8.0 * d
     return q, d, np.zeros_like(d)
+
+
+def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q4_K super-blocks -> the same (q, scale, zero) form per 32 values as _q4_blocks.
+
+    A super-block of 256 values is f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales sc and
+    minimums mn (eight of each, bit-packed), then 128 bytes of 4-bit q: each 32 bytes hold two
+    sub-blocks, the low nibbles the first, the high nibbles the second. Value = d * sc * q -
+    dmin * mn, which is (q - 8) * scale + zero with scale = d * sc, zero = 8 * scale - dmin * mn:
+    the int4 kernels' form, the 4-bit values unchanged."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 144)
+    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)[..., None]  # [rows, nb, 1]
+    dmin = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)[..., None]
+    packed_scales = blocks[..., 4:16].astype(np.uint8)
+    low, high = packed_scales[..., 0:4], packed_scales[..., 4:8]
+    tail = packed_scales[..., 8:12]
+    # sub-blocks 0-3: low 6 bits of bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7: the nibbles
+    # of bytes 8-11, with their top two bits from the top of bytes 0-3 (scale) and 4-7 (min)
+    sc = np.concatenate([low & 63, (tail & 0x0F) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mn = np.concatenate([high & 63, (tail >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks, 32 bytes each
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)  # [rows, cols]
+    scale = (d * sc).reshape(rows, -1)  # [rows, cols / 32]
+    minimum = (dmin * mn).reshape(rows, -1)
+    return q, scale, 8.0 * scale - minimum
+
+
+# GGUF types whose blocks the int4 kernels take as they are (the 4-bit values, per-32 scales)
+_INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False) -> LoadedWeights:
@@ -330,8 +360,8 @@ def _weights_from_gguf(
             array = _unpermute_rows(array, heads)
         if t.type_name in _FILE_QUANTIZATION:
             file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
-        if keep_int4_blocks and t.type_name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
-            parts = _q4_blocks(t.data, t.type_name)
+        if keep_int4_blocks and t.type_name in _INT4_BLOCK_TYPES and len(t.shape) == 2:
+            parts = _q4k_blocks(t.data) if t.type_name == "Q4_K" else _q4_blocks(t.data, t.type_name)
             if heads is not None:  # the same row order as the dequantized weight
                 parts = tuple(_unpermute_rows(x, heads) for x in parts)
             q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)

@@ -21,7 +21,7 @@ from fornax import LLM
 from fornax.layers.linear import BlockInt4, BlockInt8, Int4Grouped, Int8PerChannel, Linear
 from fornax.layers.native import load_quant_matmul
 from fornax.models import load_model
-from fornax.models.loader import _q4_blocks
+from fornax.models.loader import _q4_blocks, _q4k_blocks
 from fornax.quality.perplexity import CorpusError, load_corpus, perplexity
 
 ALL_ROWS = 1 << 30  # small_step_max_rows that sends every step through the quantized kernels
@@ -84,6 +84,26 @@ def test_q4_blocks_unpack_to_what_gguf_dequantizes(type_name):
     form = Int4Grouped.from_blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), 32)
     # Only the scales' rounding to bf16 separates the kernel's weights from the file's.
     assert np.abs(form.dequantize().numpy() - dequantize(packed, qtype)).max() < 0.02 * np.abs(w).max()
+
+
+def test_q4k_blocks_unpack_to_what_gguf_dequantizes():
+    """Any bytes are a valid Q4_K super-block once its two float16 scales are finite: random
+    ones reach every bit of the packed 6-bit scales and minimums."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    g = np.random.default_rng(5)
+    rows, cols = 8, 512  # two super-blocks of 256 per row
+    raw = g.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = g.uniform(1e-4, 2e-2, size=(rows, cols // 256, 2)).astype("<f2").view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    q, scale, zero = _q4k_blocks(raw)
+    recon = (q.astype(np.float32) - 8).reshape(rows, -1, 32) * scale[..., None] + zero[..., None]
+    ref = dequantize(raw, GGMLQuantizationType.Q4_K)
+    # equal up to float32 rounding of the rearranged sum; a 4-bit value off by one would be off
+    # by a whole scale (>= 1e-4 * 1 here)
+    np.testing.assert_allclose(recon.reshape(rows, cols), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    assert q.min() == 0 and q.max() == 15
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
