@@ -7,6 +7,7 @@ print one line to stderr and exit 1, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
@@ -25,13 +26,18 @@ from fornax.config import (
     EngineConfig,
     OffloadConfig,
     SchedulerConfig,
+    ServedModelConfig,
     ServerConfig,
     SpeculativeConfig,
 )
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file, HF directory or alias")
+def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:  # `fornax serve`: one server, one engine per model
+        p.add_argument("--model", "-m", action="append", default=None,
+                       help="GGUF file, HF directory or alias; repeat to serve several models")
+    else:
+        p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file, HF directory or alias")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     _add_quant_args(p)
     p.add_argument("--kv-cache-memory", default="auto",
@@ -101,11 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    _add_model_args(p)
+    _add_model_args(p, several=True)
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use for the model (repeatable; default: the model argument)")
+                   help="name(s) clients use for the model (repeatable; default: the model argument); "
+                        "with several models, one per model, in their order")
+    p.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
+                   help="load models on first request and keep at most K, unloading the least recently "
+                        "used idle one (default: all loaded at start-up)")
+    p.add_argument("--model-load-timeout", type=float, default=defaults.model_load_timeout_s,
+                   help="seconds a request waits for its model to load")
     p.add_argument("--api-key", action="append", default=[],
                    help="a user's key, optionally name:key (repeatable); users see only their own requests")
     p.add_argument("--api-key-file", default=None, help="file with one user key (or name:key) per line")
@@ -305,6 +317,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    if args.replicas > 1 and len(serve_models(args)) > 1:
+        raise ConfigError("--replicas runs copies of one model; serve several models without it, or one cluster each")
     if args.replicas > 1:  # N replicas on Ray behind the router (fornax/cluster)
         from fornax.cluster.cli import serve_replicas
 
@@ -312,10 +326,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fornax.config import load_api_keys, parse_kv_cache_memory
     from fornax.server.app import serve
 
-    model = args.model_arg or args.model
+    models = serve_models(args)
+    names = served_names(models, args.served_model_name)
     server_config = ServerConfig(
         host=args.host, port=args.port,
-        served_model_names=tuple(args.served_model_name or [model]),
+        served_model_names=names[0], max_loaded_models=args.max_loaded_models,
+        model_load_timeout_s=args.model_load_timeout,
         api_keys=load_api_keys(args.api_key, args.api_key_file), **_tenancy_config(args),
         public_metrics=args.public_metrics, access_log=args.access_log, log_level=args.log_level,
         shutdown_timeout_s=args.shutdown_timeout,
@@ -328,7 +344,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )  # fmt: skip
     engine_config = EngineConfig(
-        model=model, dtype=args.dtype, seed=args.seed,
+        model=models[0], dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
         large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
         kernel_backend=args.kernel_backend, num_threads=args.num_threads,
@@ -341,7 +357,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         offload=offload_config(args),
     )  # fmt: skip
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(server_config, engine_config)
+    # every model with the same engine flags
+    served = [ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)]
+    return serve(server_config, served)
+
+
+def serve_models(args: argparse.Namespace) -> list[str]:
+    """The models `fornax serve` was given: the positional one, then each --model."""
+    models = ([args.model_arg] if args.model_arg else []) + list(args.model or [])
+    return models or [DEFAULT_MODEL]
+
+
+def served_names(models: list[str], given: list[str] | None) -> list[tuple[str, ...]]:
+    """Each model's served names: for one model, every --served-model-name (aliases); for
+    several, exactly one each, in order; by default the model argument itself."""
+    if not given:
+        return [(m,) for m in models]
+    if len(models) == 1:
+        return [tuple(given)]
+    if len(given) != len(models):
+        raise ConfigError(f"{len(models)} models need {len(models)} --served-model-name values, one per "
+                          f"model in order; got {len(given)}")  # fmt: skip
+    if len(set(given)) != len(given):
+        raise ConfigError("--served-model-name values must differ between models")
+    return [(n,) for n in given]
 
 
 # The model modules whose errors a user can cause, and the error each raises.

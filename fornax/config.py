@@ -584,6 +584,10 @@ class ServerConfig:
     # How `tool_choice: "auto"` output is read (fornax/tools/calls.py): "hermes", "llama3_json";
     # None picks by the chat template.
     tool_call_parser: str | None = None
+    # Several models (server/models.py): None loads every one at start-up; K loads them on
+    # first request and keeps at most K, unloading the least recently used idle one.
+    max_loaded_models: int | None = None
+    model_load_timeout_s: float = 300.0  # how long a request waits for its model to load
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -603,6 +607,10 @@ class ServerConfig:
             raise ConfigError("max_top_logprobs must be in [0, 20] (the engine's bound)")
         if self.shutdown_timeout_s < 0:
             raise ConfigError("shutdown_timeout_s must be >= 0")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ConfigError("max_loaded_models must be at least 1")
+        if self.model_load_timeout_s <= 0:
+            raise ConfigError("model_load_timeout_s must be positive")
         self._check_tenancy()
 
     def _check_tenancy(self) -> None:
@@ -623,3 +631,11 @@ class ServerConfig:
         unknown = sorted({n for n, _ in self.rate_limits} - known - {"*"})
         if unknown:
             raise ConfigError(f"rate limits name unknown key(s) {unknown}; configured: {sorted(known)}")
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    """One model of a server that serves several (server/models.py)."""
+
+    names: tuple[str, ...]  # what clients send as `model`; the first is the name in responses
+    engine: EngineConfig

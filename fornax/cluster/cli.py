@@ -24,7 +24,7 @@ from fornax.cluster.config import (
     ReplicaSpec,
     ScalingPolicy,
 )
-from fornax.config import ConfigError
+from fornax.config import DEFAULT_MODEL, ConfigError
 
 # serve flags the cluster sets for each replica itself (never passed through)
 _OWN_DESTS = {"model_arg", "model", "host", "port", "num_threads", "shutdown_timeout", "help", "replicas"}
@@ -139,7 +139,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     ray_address = getattr(args, "ray_address", None)
     serve_args, metrics_key = passthrough_args(args)
     replica = ReplicaSpec(
-        model=args.model_arg or args.model, serve_args=tuple(serve_args), num_threads=args.num_threads,
+        model=args.model_arg or (args.model or [DEFAULT_MODEL])[0], serve_args=tuple(serve_args), num_threads=args.num_threads,
         # A local Ray runtime: replicas on loopback, reached only through the router. On a Ray
         # cluster they run on other machines: their node's address.
         host="127.0.0.1" if ray_address is None else None,

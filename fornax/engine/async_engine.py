@@ -7,6 +7,12 @@ SSE writing go on in the event loop while the model computes; a process would ad
 copy of every token across a pipe and a second copy of the tokenizer for little gain at
 this size. All engine state is touched by the engine thread only: callers talk to it
 through a command queue, and outputs come back via `call_soon_threadsafe`.
+
+Several engines (a server with several models) share one such thread, `EngineThread`, which
+steps them in turn: one engine computes at a time, with all the cores. Not a thread per
+engine: every thread that has run OpenMP work keeps its own team of workers, and once there
+are more of them than CPUs their barriers sleep instead of spinning, which made each step of
+a lone engine several times slower here (see server/app.py `_in_passing_thread`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,79 @@ class RequestFailedError(RuntimeError):
     """The engine ended this one request on an internal error; the engine itself serves on."""
 
 
+class EngineThread:
+    """The thread that runs the steps of one or more engines: it drains each engine's commands,
+    then runs one step of the next engine with work (round robin), so engines with requests
+    share the CPU step by step. An engine whose step fails dies alone; the others go on."""
+
+    def __init__(self, name: str = "fornax-engine") -> None:
+        self._engines: list[AsyncEngine] = []
+        self._wake = threading.Event()
+        self._engines_lock = threading.Lock()  # the list; never held across work
+        # Held while engines' commands or a step run: detach() waits on it, so an engine is
+        # never closed under a step of its own.
+        self._work_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    def attach(self, engine: AsyncEngine) -> None:
+        with self._engines_lock:
+            self._engines.append(engine)
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        self.wake()
+
+    def detach(self, engine: AsyncEngine) -> None:
+        """Remove `engine`; returns once no step of it is running (at most one step's wait)."""
+        with self._engines_lock:
+            if engine in self._engines:
+                self._engines.remove(engine)
+        with self._work_lock:
+            pass  # the iteration that may still hold it has ended
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._engines)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the thread; False if it is still in a step after `timeout` seconds."""
+        self._stopping = True
+        self._wake.set()
+        if self._started:
+            self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        busy_since_trim, turn = False, 0
+        while not self._stopping:
+            with self._engines_lock:
+                engines = [e for e in self._engines if e.dead_error is None]
+            with self._work_lock:
+                for engine in engines:
+                    engine._guarded(engine._drain_commands)
+                busy = [e for e in engines if e.dead_error is None and e.core.has_unfinished_requests()]
+                if busy:
+                    engine = busy[turn % len(busy)]
+                    turn += 1
+                    busy_since_trim = True
+                    engine._guarded(engine._step)
+                    continue
+            if busy_since_trim:
+                # Going idle: give back what malloc kept of the steps' freed tensors (prefill
+                # activations, logits); glibc would hold it for the process's life. A few ms,
+                # once per busy period (docs/memory.md).
+                release_free_heap()
+                busy_since_trim = False
+                continue  # a request may have arrived meanwhile
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -64,11 +143,10 @@ class AsyncEngine:
         self.model_config = core.model_config
         self.max_model_len = core.max_model_len
         self._commands: queue.SimpleQueue[tuple[str, Any, Future | None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._thread: EngineThread | None = None
+        self._own_thread = False
         self.dead_error: BaseException | None = None
         self.listeners: list[StepListener] = []
         self.last_stats: StepStats | None = None
@@ -84,21 +162,23 @@ class AsyncEngine:
         return cls(build_engine_core(config, progress=progress))
 
     # -- lifecycle --
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None, thread: EngineThread | None = None) -> None:
+        """Run on `thread` (shared with other engines), or on a thread of its own."""
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="fornax-engine", daemon=True)
-        self._thread.start()
+        self._own_thread = thread is None
+        self._thread = EngineThread() if thread is None else thread
+        self._thread.attach(self)
 
     def stop(self) -> None:
-        """Stop the engine thread, then flush what must outlive the process (the KV disk tier's
-        pending writes, EngineCore.close) unless the thread is stuck in a step."""
-        self._stopping = True
-        self._wake.set()
+        """Leave the engine thread (stopping it, if it is this engine's own), then flush what
+        must outlive the process (the KV disk tier's pending writes, EngineCore.close) unless
+        the thread is stuck in a step."""
         if self._thread is not None:
-            self._thread.join(timeout=10)
-            if self._thread.is_alive():
-                logger.warning("the engine thread did not stop; KV disk tier writes are not flushed")
-                return
+            if self._own_thread:
+                if not self._thread.stop():
+                    logger.warning("the engine thread did not stop; KV disk tier writes are not flushed")
+                    return
+            self._thread.detach(self)
         try:
             self.core.close()
         except Exception:  # noqa: BLE001 - shutting down: report, never hang or mask the exit
@@ -166,32 +246,21 @@ class AsyncEngine:
                     done.set_exception(EngineDeadError(str(self.dead_error)))
                 return
             self._commands.put((kind, payload, done))
-        self._wake.set()
+        if self._thread is not None:
+            self._thread.wake()
 
-    # -- the engine thread --
-    def _run(self) -> None:
+    # -- in the engine thread --
+    def _guarded(self, work: Callable[[], None]) -> None:
         try:
-            busy_since_trim = False
-            while not self._stopping:
-                self._drain_commands()
-                if not self.core.has_unfinished_requests():
-                    if busy_since_trim:
-                        # Going idle: give back what malloc kept of the steps' freed tensors
-                        # (prefill activations, logits); glibc would hold it for the process's
-                        # life. A few ms, once per busy period (docs/memory.md).
-                        release_free_heap()
-                        busy_since_trim = False
-                        continue  # a request may have arrived meanwhile
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                busy_since_trim = True
-                start = time.monotonic()
-                outputs = self.core.step()
-                self._after_step(start, outputs)
+            work()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
             logger.critical("the engine loop failed and stopped; every request is failed", exc_info=exc)
             self._die(exc)
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        outputs = self.core.step()
+        self._after_step(start, outputs)
 
     def _die(self, exc: BaseException) -> None:
         """Fail every stream and every queued command at once, then tell the owner."""

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Metric as PromMetric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 # Per-token gaps: ~1 ms on a GPU decode, tens to hundreds of ms on a CPU or behind a prefill.
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                      0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+MODEL_LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0,
                         2.5, 5.0, 10.0)  # fmt: skip
 # Forget a sequence's last-token time after this long without output (safety net only:
@@ -149,6 +151,11 @@ class Metrics:
         self.spec_acceptance = hist("spec_decode_acceptance_rate",
                                     "Per speculating request: accepted / proposed draft tokens.",
                                     tuple(i / 10 for i in range(1, 11)))  # fmt: skip
+        # -- the model itself (server/models.py: loaded at start-up, or on demand with LRU unloading) --
+        self.model_loaded = gauge("model_loaded", "1 while the model is loaded, else 0.")
+        self.model_loads = counter("model_loads", "Times the model was loaded.")
+        self.model_unloads = counter("model_unloads", "Times the model was unloaded to make room for another.")
+        self.model_load_seconds = hist("model_load_seconds", "Time to load the model.", MODEL_LOAD_BUCKETS)
         self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0}
         self._init_offload(model_name)
         # Last token time per (engine request id, choice index): touched by the engine thread only.
@@ -274,9 +281,43 @@ class Metrics:
         if snap.offload is not None:
             self._refresh_offload(snap.offload)
 
+    def on_model_loaded(self, seconds: float) -> None:
+        self.model_loads.inc()
+        self.model_load_seconds.observe(seconds)
+        self.model_loaded.set(1)
+
+    def on_model_unloaded(self) -> None:
+        self.model_unloads.inc()
+        self.model_loaded.set(0)
+
     def on_response_status(self, status: int) -> None:
         if status >= 400:
             self._errors.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_all(metrics: list[Metrics]) -> bytes:
+    """One exposition of several models' series: each family once, with every model's
+    samples (each Metrics keeps its own registry, labelled by its model_name)."""
+    if len(metrics) == 1:
+        return metrics[0].render()
+    families: dict[str, Any] = {}
+    for m in metrics:
+        for family in m.registry.collect():
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = PromMetric(family.name, family.documentation, family.type, family.unit)
+            merged.samples.extend(family.samples)
+    return generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]
+
+
+class _Families:
+    """A collector-registry stand-in that yields given metric families (for generate_latest)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        return iter(self.families)

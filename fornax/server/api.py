@@ -54,24 +54,8 @@ def _state(request: Request) -> ServerState:
     return request.app.state.fornax
 
 
-def _engine(state: ServerState) -> AsyncEngine:
-    if state.engine is None:  # the gate answers 503 before this; kept for direct callers
-        raise ApiError(503, "the model is still loading", code="service_unavailable")
-    return state.engine
-
-
 def _json(model: BaseModel, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
-
-
-def _check_model(state: ServerState, model: str | None) -> str:
-    names = state.config.served_model_names
-    if model is None or model == "":
-        return names[0]
-    if model not in names:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves {', '.join(names)}",
-                       param="model", code="model_not_found")  # fmt: skip
-    return model
 
 
 # ---- health and metadata ---------------------------------------------------------------------------
@@ -100,9 +84,11 @@ async def version() -> dict[str, str]:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = _state(request)
-    engine = _engine(state)
-    cards = [ModelCard(id=name, created=int(state.started_at), max_model_len=engine.max_model_len)
-             for name in state.config.served_model_names]  # fmt: skip
+    cards = []
+    for model in state.models.models:
+        # a model not loaded (yet, or any more) has no engine to say its context length
+        max_len = model.engine.max_model_len if model.engine is not None else model.config.engine.scheduler.max_model_len
+        cards += [ModelCard(id=name, created=int(state.started_at), max_model_len=max_len) for name in model.config.names]
     return _json(ModelList(data=cards))
 
 
@@ -133,7 +119,7 @@ async def chat_completions(request: Request) -> Response:
     if constraint is not None:
         await compile_constraint(engine.compile_grammar, constraint)
     params = build_sampling_params(req, max_tokens, k, vocab, constraint)
-    gen = _generation(state, request, "chatcmpl", "chat", [ids], params, req.priority, req.stream)
+    gen = _generation(state, request, engine, "chatcmpl", "chat", [ids], params, req.priority, req.stream)
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -165,7 +151,7 @@ async def completions(request: Request) -> Response:
     params = build_sampling_params(req, max_tokens, k, vocab, constraint)
     echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if req.echo else None  # fmt: skip
-    gen = _generation(state, request, "cmpl", "completions", prompt_ids, params, req.priority, req.stream)
+    gen = _generation(state, request, engine, "cmpl", "completions", prompt_ids, params, req.priority, req.stream)
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -193,25 +179,29 @@ async def _parse_generation_request(
 
 
 async def _parse_request(request: Request, model_cls: type[_M]) -> tuple[ServerState, AsyncEngine, _M, str]:
-    """Every model route starts here: a ready engine, a bounded body parsed into `model_cls`,
-    and a served model name. Returns (state, engine, parsed request, model name)."""
+    """Every model route starts here: a bounded body parsed into `model_cls`, the model it
+    names, and that model's engine (loaded if it was not: server/models.py), held until the
+    response ends. Returns (state, engine, parsed request, the name the request used)."""
     state = _state(request)
-    engine = _engine(state)
     req = await parse_body(request, model_cls, state.config.max_body_bytes)  # big bodies: another process
-    return state, engine, req, _check_model(state, req.model)
+    model = state.models.find(req.model)
+    engine = await state.models.lease(model, request.scope.setdefault("state", {}))
+    request.state.served_model = model.name
+    return state, engine, req, req.model or model.name
 
 
 def _generation(
-    state: ServerState, request: Request, prefix: str, endpoint: str, prompts: list[list[int]],
+    state: ServerState, request: Request, engine: AsyncEngine, prefix: str, endpoint: str, prompts: list[list[int]],
     params: SamplingParams, priority: int, stream: bool,
 ) -> Generation:  # fmt: skip
     key = key_name(request.state)
     admit(state, prompts, params, priority, key, key_role(request.state))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     tenancy = state.tenancy
-    tenancy.admit(key, request_id, prompts, params, _engine(state).max_model_len)  # per-key limits: 429
+    tenancy.admit(key, request_id, prompts, params, engine.max_model_len)  # per-key limits: 429
     salt = tenancy.cache_salt(key, getattr(request.state, "cache_salt", None))
-    return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, cache_salt=salt)
+    return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, engine,
+                      request.state.served_model, cache_salt=salt)  # fmt: skip
 
 
 async def _run(request: Request, gen: Generation) -> None:
@@ -299,19 +289,30 @@ async def admin_state(request: Request) -> dict[str, Any]:
         "inflight_requests": len(state.inflight), "queued_requests": state.num_queued,
         "aborted_requests": state.num_aborted, "rejected_queue_full": state.num_rejected_queue_full,
     }  # fmt: skip
-    if state.engine is not None and state.engine.dead_error is None:
+    if state.engine is not None and state.engine.dead_error is None:  # the first model's, at top level
         out.update(await state.engine.call(_engine_snapshot))
         out["engine_streams"] = state.engine.num_unfinished
+    models = []
+    for model in state.models.models:
+        entry: dict[str, Any] = {"name": model.name, "loaded": model.engine is not None,
+                                 "loading": model.loading is not None, "leases": model.leases,
+                                 "load_error": model.load_error}  # fmt: skip
+        if model.engine is not None and model.engine.dead_error is None:
+            entry.update(await model.engine.call(_engine_snapshot))
+            entry["engine_streams"] = model.engine.num_unfinished
+        models.append(entry)
+    out["models"] = models
     return out
 
 
 @router.get("/admin/memory")
-async def admin_memory(request: Request) -> dict[str, Any]:
-    """The process's resident memory by owner (engine/memory.py), read between steps."""
-    state = _state(request)
-    if state.engine is None or state.engine.dead_error is not None:
+async def admin_memory(request: Request, model: str | None = None) -> dict[str, Any]:
+    """The process's resident memory by owner (engine/memory.py) as `model`'s engine (default:
+    the first) sees it, read between its steps."""
+    engine = _state(request).models.find(model).engine
+    if engine is None or engine.dead_error is not None:
         raise ApiError(503, "the engine is not running", code="engine_unavailable")
-    report = await state.engine.call(lambda core: core.memory_report())
+    report = await engine.call(lambda core: core.memory_report())
     return {"object": "memory", **report.as_dict()}
 
 

@@ -16,14 +16,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from types import FrameType
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 
 from fornax import __version__
-from fornax.config import EngineConfig, ServerConfig
+from fornax.config import EngineConfig, ServedModelConfig, ServerConfig
 from fornax.server.api import router
 from fornax.server import body_parser
 from fornax.server.auth import Gate, KeyStore
@@ -32,10 +33,14 @@ from fornax.metrics.prometheus import Metrics
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
+from fornax.server.models import ModelLeases, ModelSet, ServedModel
 from fornax.server.openapi import install_openapi
 from fornax.server.state import ServerState
 from fornax.server.tenancy import log_tenancy
 from fornax.server.visualizer import router as visualizer_router
+
+if TYPE_CHECKING:
+    from fornax.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("fornax.server")
 T = TypeVar("T")
@@ -44,65 +49,88 @@ T = TypeVar("T")
 DEAD_ENGINE_GRACE_S = 2.0
 
 
-def create_app(config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
-    state = ServerState(config=config, engine_config=engine_config)
+def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModelConfig]) -> FastAPI:
+    """The server for one model (an EngineConfig, served as config.served_model_names) or
+    several (each its ServedModelConfig: its names and engine; server/models.py)."""
+    if isinstance(models, EngineConfig):
+        models = [ServedModelConfig(config.served_model_names, models)]
+    served = [
+        ServedModel(m, Metrics(m.names[0], m.engine.scheduler.max_model_len), LiveStats()) for m in models
+    ]  # fmt: skip
+    model_set = ModelSet(served, config.max_loaded_models, config.model_load_timeout_s, config.retry_after_s)
+    state = ServerState(config=config, models=model_set)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load_engine(app, state))
+        model_set.set_loader(lambda model: _load_engine(app, state, model))
+        # Loaded now unless loading is lazy (--max-loaded-models): then on first request.
+        loader = None if model_set.lazy else asyncio.create_task(_load_all(app, state))
         try:
             yield
         finally:
-            loader.cancel()
-            if state.engine is not None:
-                state.engine.stop()
+            if loader is not None:
+                loader.cancel()
+            for model in model_set.models:
+                if model.engine is not None:
+                    model.engine.stop()
+            if model_set.thread is not None:
+                model_set.thread.stop()
             body_parser.shutdown()  # kills its worker process, if one was started: it may be stuck
 
     # /openapi.json describes the API (server/openapi.py); no docs pages: they load from a CDN.
     app = FastAPI(title="fornax", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")  # fmt: skip
-    install_openapi(app, config.served_model_names)
+    install_openapi(app, tuple(model_set.by_name))
     app.state.fornax = state
     app.state.exit_code = 0
     app.state.on_fatal = None  # set by serve(): how a failed load stops the process
-    metrics = Metrics(state.model_name, engine_config.scheduler.max_model_len)
-    app.state.metrics = metrics
-    state.record_listeners.append(metrics.on_record)
-    app.state.live = LiveStats()  # the visualizer's rolling window (server/visualizer.py)
-    state.record_listeners.append(app.state.live.on_record)
+    # HTTP statuses and the visualizer's default view: the first model's (a 401 names no model)
+    app.state.metrics = model_set.primary.metrics
+    app.state.live = model_set.primary.live
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
     app.include_router(visualizer_router)
+    app.add_middleware(ModelLeases, models=model_set)
     app.add_middleware(Gate, state=state, keys=KeyStore(config.api_keys, config.admin_keys))
-    app.add_middleware(StatusCounter, metrics=metrics)  # added last: outermost, sees the gate's answers
+    app.add_middleware(StatusCounter, metrics=app.state.metrics)  # added last: outermost, sees the gate's answers
     return app
 
 
-async def _load_engine(app: FastAPI, state: ServerState) -> None:
-    """Load the model off the event loop, so /health answers 503 meanwhile."""
-    from fornax.engine.async_engine import AsyncEngine
+async def _load_all(app: FastAPI, state: ServerState) -> None:
+    """Load every model at start-up, one after the other, off the event loop (so /health
+    answers 503 meanwhile); one that fails stops the process with status 1."""
+    for model in state.models.models:
+        try:
+            model.loading = asyncio.ensure_future(state.models._load_model(model))
+            await model.loading
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - reported, and the process exits 1
+            logger.error("the model %s failed to load: %s", model.name, model.load_error)
+            app.state.exit_code = 1
+            if app.state.on_fatal is not None:
+                app.state.on_fatal()
+            return
+
+
+async def _load_engine(app: FastAPI, state: ServerState, model: ServedModel) -> AsyncEngine:
+    """Build `model`'s engine in a passing thread and start it on the shared engine thread."""
+    from fornax.engine.async_engine import AsyncEngine, EngineThread
 
     start = time.monotonic()
-    try:
-        engine = await _in_passing_thread(AsyncEngine.from_config, state.engine_config, False)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported, and the process exits 1
-        state.load_error = f"{type(exc).__name__}: {exc}"
-        logger.error("the model failed to load: %s", state.load_error)
-        app.state.exit_code = 1
-        if app.state.on_fatal is not None:
-            app.state.on_fatal()
-        return
-    engine.listeners.append(app.state.metrics.on_step)
-    engine.listeners.append(app.state.live.on_step)
+    config = model.config.engine
+    engine = await _in_passing_thread(AsyncEngine.from_config, config, False)
+    engine.listeners.append(model.metrics.on_step)
+    engine.listeners.append(model.live.on_step)
     loop = asyncio.get_running_loop()
     engine.on_dead = lambda exc: loop.call_soon_threadsafe(_engine_died, app, state, exc)
-    engine.start(loop)
-    state.engine = engine
-    logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", state.engine_config.model,
-                time.monotonic() - start, engine.max_model_len, state.model_name)  # fmt: skip
+    if state.models.thread is None:
+        state.models.thread = EngineThread()
+    engine.start(loop, state.models.thread)
+    logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", config.model,
+                time.monotonic() - start, engine.max_model_len, ", ".join(model.config.names))  # fmt: skip
+    return engine
 
 
 def _engine_died(app: FastAPI, state: ServerState, exc: BaseException) -> None:
@@ -173,7 +201,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Deliberately not recording the signal: uvicorn would re-raise it after shutdown,
         # and the process would die of it instead of exiting 0 after a clean drain.
-        if self.state.draining or self._loop is None or self.state.engine is None:
+        if self.state.draining or self._loop is None or not self.state.models.loaded():
             self.should_exit = True
             if self.state.draining:
                 self.force_exit = True
@@ -190,20 +218,20 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + timeout
         while state.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if state.inflight and state.engine is not None:
+        if state.inflight:
             logger.warning("shutdown timeout: aborting %d request(s)", len(state.inflight))
             for entry in list(state.inflight.values()):
                 for engine_id in entry.engine_ids:
-                    state.engine.abort(engine_id)
+                    entry.engine.abort(engine_id)
             end = time.monotonic() + 5.0
             while state.inflight and time.monotonic() < end:
                 await asyncio.sleep(0.05)
         self.should_exit = True
 
 
-def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+def serve(config: ServerConfig, models: EngineConfig | Sequence[ServedModelConfig]) -> int:
     """Run the server until it is stopped; the process exit code."""
-    app = create_app(config, engine_config)
+    app = create_app(config, models)
     log_tenancy(config, logger)
     # Open connections get at most 5 s (or the shutdown timeout, if shorter) once uvicorn stops.
     # h11 and asyncio named, not uvicorn's "auto": httptools and uvloop are installed for the

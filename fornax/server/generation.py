@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from fornax.engine.async_engine import AsyncEngine
 from fornax.engine.outputs import EngineOutput, TokenLogprobs
 from fornax.engine.request import SamplingParams
 from fornax.server.state import Inflight, RequestRecord, ServerState
@@ -76,10 +77,11 @@ class Generation:
         params: SamplingParams,
         priority: int,
         stream: bool,
+        engine: AsyncEngine,
+        model_name: str,
         cache_salt: str | None = None,
     ) -> None:
-        assert state.engine is not None
-        self.state, self.engine = state, state.engine
+        self.state, self.engine, self.model_name = state, engine, model_name
         self.request_id, self.endpoint, self.key_name, self.stream = request_id, endpoint, key_name, stream
         self.prompts, self.params, self.priority = prompts, params, priority
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
@@ -103,7 +105,7 @@ class Generation:
         return sum(self.choices[p * self.params.n].num_cached_tokens for p in range(len(self.prompts)))
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, EngineOutput]]:
-        entry = self.state.inflight[self.request_id] = Inflight(self.engine_ids, len(self.choices))
+        entry = self.state.inflight[self.request_id] = Inflight(self.engine_ids, self.engine, len(self.choices))
         try:
             async for prompt_index, out in self._merged():
                 entry.started = True
@@ -176,6 +178,7 @@ class Generation:
         return RequestRecord(
             request_id=self.request_id,
             endpoint=self.endpoint,
+            model=self.model_name,
             key_name=self.key_name,
             num_prompt_tokens=self.num_prompt_tokens,
             num_completion_tokens=self.num_completion_tokens,

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fornax.metrics.prometheus import CONTENT_TYPE, Metrics, snapshot_engine
+from fornax.metrics.prometheus import CONTENT_TYPE, Metrics, render_all, snapshot_engine
 from fornax.server.state import ServerState
 
 router = APIRouter()
@@ -21,11 +21,11 @@ router = APIRouter()
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.fornax
-    collector: Metrics = request.app.state.metrics
-    engine = state.engine
-    if engine is not None and engine.dead_error is None:
-        collector.refresh(await engine.call(snapshot_engine))
-    return Response(collector.render(), media_type=CONTENT_TYPE)
+    for model in state.models.models:
+        engine = model.engine
+        if engine is not None and engine.dead_error is None:
+            model.metrics.refresh(await engine.call(snapshot_engine))
+    return Response(render_all([m.metrics for m in state.models.models]), media_type=CONTENT_TYPE)
 
 
 class StatusCounter:

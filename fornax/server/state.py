@@ -1,5 +1,5 @@
-"""What the server knows between requests: the engine (once loaded), lifecycle flags, the
-requests in flight, counters and per-key usage.
+"""What the server knows between requests: its models and their engines (server/models.py),
+lifecycle flags, the requests in flight, counters and per-key usage.
 
 One `ServerState` lives at `app.state.fornax`. It is also the hook for the metrics issue:
 `record_listeners` receive one `RequestRecord` per finished request, and the counters here
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fornax.config import EngineConfig, ServerConfig
+from fornax.server.models import ModelSet
 from fornax.server.tenancy import Tenancy
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class RequestRecord:
 
     request_id: str
     endpoint: str  # "chat" | "completions"
+    model: str  # the served model's (first) name: whose metrics count it
     key_name: str
     num_prompt_tokens: int
     num_completion_tokens: int
@@ -61,6 +63,7 @@ class Inflight:
     """A request between admission and its last output."""
 
     engine_ids: list[str]  # one engine request per prompt
+    engine: AsyncEngine  # the model's engine that runs them
     num_seqs: int = 1  # prompts x n: what admission counts
     started: bool = False  # has produced output (no longer queued)
 
@@ -68,9 +71,7 @@ class Inflight:
 @dataclass
 class ServerState:
     config: ServerConfig
-    engine_config: EngineConfig
-    engine: AsyncEngine | None = None
-    load_error: str | None = None
+    models: ModelSet
     draining: bool = False
     started_at: float = field(default_factory=time.time)
     inflight: dict[str, Inflight] = field(default_factory=dict)  # by the response's id
@@ -84,20 +85,41 @@ class ServerState:
         self.tenancy = Tenancy(self.config)
 
     @property
-    def engine_error(self) -> str | None:
-        """Why the engine died (its loop failed), or None while it runs or loads."""
-        if self.engine is None or self.engine.dead_error is None:
+    def engine(self) -> AsyncEngine | None:
+        """The first model's engine (the only one, on a single-model server)."""
+        return self.models.primary.engine
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.models.primary.config.engine
+
+    @property
+    def load_error(self) -> str | None:
+        """Why a model loaded at start-up failed to (lazily loaded ones fail their requests)."""
+        if self.models.lazy:
             return None
-        exc = self.engine.dead_error
-        return f"{type(exc).__name__}: {exc}"
+        return next((m.load_error for m in self.models.models if m.load_error is not None), None)
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why an engine died (its loop failed), or None while they run or load."""
+        for model in self.models.loaded():
+            exc = model.engine.dead_error if model.engine is not None else None
+            if exc is not None:
+                return f"{type(exc).__name__}: {exc}"
+        return None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining and self.engine.dead_error is None
+        """Serving: every model is loaded (or, with lazy loading, can be), none has died, and
+        the server is not draining."""
+        if self.draining or self.engine_error is not None:
+            return False
+        return self.models.lazy or all(m.engine is not None for m in self.models.models)
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_names[0]
+        return self.models.primary.name
 
     @property
     def num_queued(self) -> int:
@@ -120,6 +142,10 @@ class ServerState:
             self.num_aborted += 1
         if self.config.access_log:
             access_logger.info(record.log_line())
+        model = self.models.by_name.get(record.model)
+        if model is not None:
+            model.metrics.on_record(record)
+            model.live.on_record(record)
         for listener in self.record_listeners:
             try:
                 listener(record)

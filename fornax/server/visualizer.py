@@ -7,6 +7,8 @@
                               `?request_id=` one (its history first, ending when it finishes)
     GET  /v1/fornax/live      SSE of server-wide snapshots (queues, KV cache, throughput, TTFT/ITL)
 
+Each takes `?model=` (a served name; default: the first model) on a server with several.
+
 The page talks HTTP only, like any client (DESIGN.md): it never sees engine objects.
 With `?router=URL` it sends its chat request through a `fornax router` and shows which replica
 ran it and why (app.js; the router lets its replicas' pages read it: fornax/router/cors.py).
@@ -28,6 +30,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fornax.engine.async_engine import AsyncEngine
 from fornax.metrics.live import LiveStats
 from fornax.server.api import sse_stream
+from fornax.server.models import ServedModel
 from fornax.server.auth import key_name, key_role
 from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
@@ -56,11 +59,17 @@ def _viewer(request: Request) -> Viewer:
     return Viewer(key_name(request.state), key_role(request.state) == ADMIN)
 
 
-def _engine(request: Request) -> AsyncEngine:
-    engine = _state(request).engine
-    if engine is None:
-        raise ApiError(503, "the model is still loading", code="service_unavailable")
-    return engine
+def _model(request: Request, name: str | None) -> ServedModel:
+    return _state(request).models.find(name)
+
+
+def _engine(model: ServedModel) -> AsyncEngine:
+    """A loaded model's engine. The watching streams do not load a model, nor hold one loaded
+    (an open page would pin it): the chat request the page sends does."""
+    if model.engine is None:
+        raise ApiError(503, f"the model '{model.name}' is not loaded yet", code="service_unavailable",
+                       headers={"Retry-After": "1"})  # fmt: skip
+    return model.engine
 
 
 # ---- the page ----------------------------------------------------------------------------------------
@@ -88,13 +97,14 @@ async def ui_file(request: Request, name: str = "index.html") -> Response:
 
 
 @router.post("/v1/fornax/tokens")
-async def tokens(request: Request) -> dict[str, Any]:
+async def tokens(request: Request, model: str | None = None) -> dict[str, Any]:
     """Like /tokenize, plus per token: its text, its bytes, and whether the chat template added it.
 
     Bounded like /tokenize (at most the context's tokens), and built in a worker thread: the
     per-token entries are Python work proportional to the prompt."""
-    state, engine = _state(request), _engine(request)
+    state = _state(request)
     req = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
+    engine = await state.models.lease(_model(request, model or req.model), request.scope.setdefault("state", {}))
     messages, param = check_tokenize_input(req, state.config, engine.max_model_len)
     try:
         return await asyncio.to_thread(_token_table, engine, req, messages)
@@ -152,8 +162,8 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 @router.get("/v1/fornax/events")
-async def events(request: Request, request_id: str | None = None) -> Response:
-    state, engine, viewer = _state(request), _engine(request), _viewer(request)
+async def events(request: Request, request_id: str | None = None, model: str | None = None) -> Response:
+    state, engine, viewer = _state(request), _engine(_model(request, model)), _viewer(request)
     if request_id is not None and not state.tenancy.may_see(viewer, request_id):
         # Not found, rather than forbidden: a user cannot tell others' ids from unknown ones.
         raise ApiError(404, f"no request {request_id!r} of this key is known", param="request_id",
@@ -197,8 +207,9 @@ async def events(request: Request, request_id: str | None = None) -> Response:
 
 
 @router.get("/v1/fornax/live")
-async def live(request: Request, interval: float = 1.0, once: bool = False) -> Response:
-    state, engine, stats = _state(request), _engine(request), request.app.state.live
+async def live(request: Request, interval: float = 1.0, once: bool = False, model: str | None = None) -> Response:
+    served = _model(request, model)
+    state, engine, stats = _state(request), _engine(served), served.live
     interval = min(max(interval, 0.2), 10.0)
     viewer = _viewer(request)
     if once:

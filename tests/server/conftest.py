@@ -86,18 +86,22 @@ class ServerProcess:
         state = self.state()
         while time.monotonic() < deadline:
             state = self.state()
-            if (state["num_running"] == 0 and state["num_waiting"] == 0 and state["kv_cache_usage"] == 0
-                    and state["inflight_requests"] == 0 and state["engine_streams"] == 0):  # fmt: skip
+            engines = [m for m in state["models"] if m["loaded"]]  # every model's, when several
+            if state["inflight_requests"] == 0 and all(
+                m["num_running"] == 0 and m["num_waiting"] == 0 and m["kv_cache_usage"] == 0
+                and m["engine_streams"] == 0 for m in engines
+            ):  # fmt: skip
                 break
             time.sleep(0.05)
         return state
 
     def assert_idle(self) -> None:
         state = self.wait_idle()
-        assert state["num_running"] == 0 and state["num_waiting"] == 0, state
-        assert state["kv_cache_usage"] == 0, state
-        assert state["inflight_requests"] == 0 and state["engine_streams"] == 0, state
-        assert state["kv_integrity"] == "ok", state
+        assert state["inflight_requests"] == 0, state
+        for m in (m for m in state["models"] if m["loaded"]):
+            assert m["num_running"] == 0 and m["num_waiting"] == 0, state
+            assert m["kv_cache_usage"] == 0, state
+            assert m["engine_streams"] == 0 and m["kv_integrity"] == "ok", state
 
     def log(self) -> str:
         self._log.flush()
