@@ -10,7 +10,7 @@ model is busy, the request is refused with 503 and Retry-After.
 
 The engines take turns on one thread (engine/async_engine.py EngineThread): one step at a
 time with all the CPU's threads, rather than a thread per engine, whose OpenMP teams would
-oversubscribe the cores (docs/architecture.md).
+oversubscribe the cores (the measurement is in engine/async_engine.py and server/app.py).
 
 A lease is held from the moment a handler takes the engine until its response has been
 sent (the `ModelLeases` middleware releases it), so a model is never unloaded under a

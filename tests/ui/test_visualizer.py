@@ -307,3 +307,32 @@ def test_visualizer_through_a_router(server, browser, router):
     allowed = httpx.options(router_url + "/router/replicas", timeout=10,
                             headers={"Origin": mine, **preflight})  # fmt: skip
     assert allowed.status_code == 204 and allowed.headers["access-control-allow-origin"] == mine
+
+
+def test_visualizer_picks_the_model(make_server, browser, gemma3_gguf):
+    """A server with two models: the page lists both, and the one picked answers (Gemma 3, the
+    seed's Chinese prompt; screenshot docs/ui/gemma3.png)."""
+    server = make_server(["--model", "smollm2-135m-instruct", "--model", "gemma3-270m", "--max-model-len", "2048",
+                          "--no-access-log"])  # fmt: skip
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(server.url + "/ui/")
+    page.wait_for_function("document.getElementById('model').options.length === 2")
+    assert _attrs(page, "#model option", "e.value") == ["smollm2-135m-instruct", "gemma3-270m"]
+    page.select_option("#model", "gemma3-270m")
+    page.fill("#max-tokens", "48")
+    page.fill("#prompt", PROMPT)
+    page.fill("#temperature", "0")
+    page.click("#play")
+    page.wait_for_function("document.getElementById('finish').textContent !== '–' && "
+                           "!document.getElementById('play').disabled", timeout=120_000)  # fmt: skip
+    reference = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "gemma3-270m", "messages": _messages(), "temperature": 0, "max_tokens": 48,
+    }).json()["choices"][0]["message"]["content"]  # fmt: skip
+    assert _shown_text(page) == reference and reference
+    # the prompt's tokens are Gemma's (its chat template's turn markers among them)
+    chips = _attrs(page, "#token-chips .chip", "e.dataset.id")
+    gemma = httpx.post(server.url + "/tokenize", timeout=30, json={"model": "gemma3-270m", "messages": _messages()})
+    assert [int(c) for c in chips] == gemma.json()["tokens"]
+    page.wait_for_timeout(1200)  # a live snapshot of the model's own engine
+    page.screenshot(path=str(SHOTS / "gemma3.png"), full_page=True)
+    page.close()

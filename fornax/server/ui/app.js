@@ -113,7 +113,17 @@ async function connect() {
     const resp = await fetch("/v1/models", { headers: headers() });
     if (!resp.ok) throw await failure(resp);
     const body = await resp.json();
-    model = body.data[0].id;
+    // a server with several models: the picker chooses which one the page talks to
+    const picker = $("model");
+    const ids = body.data.map((m) => m.id);
+    picker.replaceChildren(...ids.map((id) => new Option(id, id)));
+    model = ids.includes(model) ? model : ids[0];
+    picker.value = model;
+    picker.onchange = () => {
+      model = picker.value;
+      setConn("ok", "connected · " + model);
+      startLive();
+    };
     $("auth").hidden = true;
     setConn("ok", "connected · " + model);
     $("play").disabled = false;
@@ -190,7 +200,7 @@ async function play(ev) {
   const run = new Run();
   try {
     stage("tokenize");
-    const tok = await postJSON("/v1/fornax/tokens", { messages, add_generation_prompt: true });
+    const tok = await postJSON("/v1/fornax/tokens", { model, messages, add_generation_prompt: true });
     renderTokens(tok);
     stage("schedule");
     await run.go(messages);
@@ -283,7 +293,7 @@ class Run {
   async readAll(ready) {
     const init = { headers: headers(), signal: this.firehose.signal };
     try {
-      for await (const data of sse("/v1/fornax/events", init, ready)) {
+      for await (const data of sse("/v1/fornax/events?" + modelQuery(), init, ready)) {
         const e = JSON.parse(data);
         if (this.id === null) this.pending.push(e);
         else if (e.request_id === this.id) this.onEvent(e);
@@ -300,7 +310,8 @@ class Run {
     // recording the history this stream starts with.
     const onOpen = () => this.firehose.abort();
     try {
-      for await (const data of sse("/v1/fornax/events?request_id=" + encodeURIComponent(id), init, onOpen)) {
+      const url = "/v1/fornax/events?request_id=" + encodeURIComponent(id) + "&" + modelQuery();
+      for await (const data of sse(url, init, onOpen)) {
         this.onEvent(JSON.parse(data));
       }
     } catch (err) {
@@ -409,11 +420,16 @@ function block(id, cached, tier) {
 
 // ---- the live panel ----------------------------------------------------------------------------
 
+function modelQuery() {
+  return "model=" + encodeURIComponent(model || "");
+}
+
 async function startLive() {
   if (liveAbort) liveAbort.abort();
   liveAbort = new AbortController();
   try {
-    for await (const data of sse("/v1/fornax/live?interval=1", { headers: headers(), signal: liveAbort.signal })) {
+    const url = "/v1/fornax/live?interval=1&" + modelQuery();
+    for await (const data of sse(url, { headers: headers(), signal: liveAbort.signal })) {
       renderLive(JSON.parse(data));
     }
   } catch (err) {
