@@ -4,7 +4,9 @@ decode tokens/s at 1 stream and at 8 streams, and the time to prefill a 512-toke
 Each model's engine is loaded once; the measurements then alternate between the models for
 `--rounds` rounds and the medians are printed, so that the machine's drift touches each alike.
 
-    .venv/bin/python benchmarks/model_speed.py [--models smollm2-135m-instruct,gemma3-270m] [--rounds 3]
+    .venv/bin/python benchmarks/model_speed.py [--models smollm2-135m-instruct,gemma3-270m,gemma3-270m:head4]
+
+(NAME:head4: the model with `--lm-head-quantization int4`.)
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def prefill_seconds(llm: LLM, tokens: int, salt: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m,gemma3-270m:head4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     names = args.models.split(",")
-    llms = {name: LLM(name, progress=False, max_model_len=2048, **MAKE_RUN) for name in names}
+    # NAME:head4 is NAME with --lm-head-quantization int4
+    llms = {name: LLM(name.removesuffix(":head4"), progress=False, max_model_len=2048, **MAKE_RUN,
+                      lm_head_quantization="int4" if name.endswith(":head4") else None) for name in names}  # fmt: skip
     for llm in llms.values():  # warm-up: kernels, allocator, first-call paths
         decode_rate(llm, 2, 8)
         prefill_seconds(llm, 64, -1)
@@ -55,10 +59,10 @@ def main() -> None:
             results[name]["1"].append(decode_rate(llm, 1, args.new_tokens))
             results[name]["8"].append(decode_rate(llm, 8, args.new_tokens))
             results[name]["prefill"].append(prefill_seconds(llm, 512, r))
-    print(f"{'model':<24} {'decode 1 stream':>16} {'decode 8 streams':>17} {'prefill 512':>12}")
+    print(f"{'model':<26} {'decode 1 stream':>16} {'decode 8 streams':>17} {'prefill 512':>12}")
     for name in names:
         m = {k: statistics.median(v) for k, v in results[name].items()}
-        print(f"{name:<24} {m['1']:>12.1f} t/s {m['8']:>13.1f} t/s {m['prefill'] * 1000:>9.0f} ms")
+        print(f"{name:<26} {m['1']:>12.1f} t/s {m['8']:>13.1f} t/s {m['prefill'] * 1000:>9.0f} ms")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ greedy continuations agree.
   windows of 512 tokens, for dense bf16 and int8 / int4 / auto with every step through the
   quantized kernels (small_step_max_rows set above the window), w8a8 (int8 x int8 on every
   step) and auto+w8a8 (as served: the file's int4 at one row, int8 x int8 past it; here the
-  scored prompts are all int8 x int8 and the greedy decode all int4);
+  scored prompts are all int8 x int8 and the greedy decode all int4); auto+w8a8+head4 adds the
+  int4 LM head (--lm-head-quantization int4), which here scores every row;
 - int8 K/V (--kv-cache-dtype int8): bf16 and auto+w8a8 with +kv8, prompts prefilled in chunks
   of 64 tokens so that each chunk reads the earlier ones from the cache (a lone prompt in one
   chunk attends to its fresh K/V and would never read the int8 rows); "bf16 c64" is bf16
@@ -71,6 +72,9 @@ def main() -> None:
     # int8 x int8 on every step, and as served: the file's int4 for one-row steps, int8 x int8 past them
     forms.append(("w8a8", {"small_step_max_rows": 0, "large_step_quantization": "w8a8"}))
     forms.append(("auto+w8a8", {"quantization": "auto", "large_step_quantization": "w8a8"}))
+    # ... with the int4 LM head (--lm-head-quantization int4), here on every row, scoring included
+    forms.append(("auto+w8a8+head4", {"quantization": "auto", "large_step_quantization": "w8a8",
+                                      "lm_head_quantization": "int4"}))  # fmt: skip
     chunked = {"max_num_batched_tokens": 64}
     forms.append(("bf16 c64", chunked))
     forms.append(("bf16+kv8", {**chunked, "kv_cache_dtype": "int8"}))
@@ -80,6 +84,8 @@ def main() -> None:
         forms = [(name, kwargs) for name, kwargs in forms if name in wanted]
     for name, kwargs in forms:
         llm = LLM(args.model, progress=False, max_model_len=2048, **kwargs)
+        if kwargs.get("lm_head_quantization"):
+            llm.engine.runner.model.lm_head.small_max_rows = ALL_ROWS
         ppl = perplexity(llm, text, window=512, max_windows=args.windows)
         outputs[name] = greedy(llm, args.new_tokens)
         rows.append((name, ppl))
@@ -97,7 +103,7 @@ def main() -> None:
     print()
     n = len(QUESTIONS)
     print(f"greedy agreement, {n} chat prompts x {args.new_tokens} new tokens (each prompt alone):")
-    for name in (n for n in ("int8", "int4", "auto", "w8a8", "auto+w8a8") if n in outputs):
+    for name in (n for n in ("int8", "int4", "auto", "w8a8", "auto+w8a8", "auto+w8a8+head4") if n in outputs):
         same, prefix = agreement(outputs[name], outputs["bf16"])
         print(f"  {name} vs bf16: {same}/{n} identical, mean common prefix {prefix:.1f} tokens")
     for name, anchor in (("bf16+kv8", "bf16"), ("auto+w8a8+kv8", "auto+w8a8")):

@@ -58,6 +58,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="w8a8: int8 weights and activations for large steps (prefill, big batches); default: bf16")  # fmt: skip
     p.add_argument("--large-step-min-rows", type=int, default=EngineConfig.large_step_min_rows,
                    help="steps of at least this many tokens (past the small-step limit) use the large-step form")  # fmt: skip
+    p.add_argument("--lm-head-quantization", default=None, choices=["int4"],
+                   help="int4: an int4 LM head for one- and two-row steps (large vocabularies); default: as the other weights")  # fmt: skip
     p.add_argument("--kernel-backend", default="native", choices=["native", "torch"],
                    help="native: compiled paged attention and fused layer ops (torch ops if they cannot be built)")  # fmt: skip
     p.add_argument("--num-threads", type=int, default=None,
@@ -247,6 +249,7 @@ def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
                small_step_max_rows=args.small_step_max_rows, large_step_quantization=args.large_step_quantization,
                large_step_min_rows=args.large_step_min_rows, kernel_backend=args.kernel_backend,
+               lm_head_quantization=args.lm_head_quantization,
                num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
 
 
@@ -347,6 +350,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=models[0], dtype=args.dtype, seed=args.seed,
         quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
         large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
+        lm_head_quantization=args.lm_head_quantization,
         kernel_backend=args.kernel_backend, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory=parse_kv_cache_memory(args.kv_cache_memory), num_blocks=args.num_blocks,

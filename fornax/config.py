@@ -388,6 +388,10 @@ class EngineConfig:
     # large steps, with a warning at load.
     large_step_quantization: str | None = None
     large_step_min_rows: int = 1  # 1: every step past the small-step limit
+    # "int4": the LM head also gets an int4 form for steps of at most LM_HEAD_INT4_MAX_ROWS
+    # rows (requantized from its weight), half the bytes of int8 for large vocabularies whose
+    # head dominates a decode step (Gemma 3's 262k x 640); None: the head's forms as above.
+    lm_head_quantization: str | None = None
     # "native": the compiled kernels (layers/native.py): decode and short query runs attend
     # over the paged cache in place, and norms, rotary and SiLU*up are one call each; torch
     # ops are the fallback when they cannot be built. "torch": torch ops only (gather, then
@@ -419,6 +423,8 @@ class EngineConfig:
             raise ConfigError(f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}")
         if self.large_step_min_rows < 1:
             raise ConfigError("large_step_min_rows must be >= 1")
+        if self.lm_head_quantization not in (None, "int4"):
+            raise ConfigError(f"lm_head_quantization must be None or 'int4', got {self.lm_head_quantization!r}")
         if self.large_step_quantization == "w8a8" and (self.dtype != "bfloat16" or self.kernel_backend != "native"):
             raise ConfigError(
                 "large_step_quantization 'w8a8' runs on the native kernels with bfloat16 activations: "

@@ -40,6 +40,7 @@ class LLM:
         small_step_max_rows: int | None = None,
         large_step_quantization: str | None = None,
         large_step_min_rows: int = EngineConfig.large_step_min_rows,
+        lm_head_quantization: str | None = None,
         kernel_backend: str = "native",
         num_threads: int | None = None,
         max_num_seqs: int = 64,
@@ -68,6 +69,7 @@ class LLM:
             small_step_max_rows=small_step_max_rows,
             large_step_quantization=large_step_quantization,
             large_step_min_rows=large_step_min_rows,
+            lm_head_quantization=lm_head_quantization,
             kernel_backend=kernel_backend,
             num_threads=num_threads,
             cache=CacheConfig(

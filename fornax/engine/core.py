@@ -400,7 +400,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     spec = config.speculative
     loaded = load_model(
         config.model, config.dtype, progress=progress, small_step=small_step, large_step=large_step,
-        kernel_backend=config.kernel_backend,
+        kernel_backend=config.kernel_backend, lm_head_int4=config.lm_head_quantization == "int4",
         # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )

@@ -327,6 +327,9 @@ class FusedOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, lg, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         self._norm = {torch.float32: lib.rms_norm_f32, torch.bfloat16: lib.rms_norm_bf16}
+        self._norm_f32w = {torch.float32: lib.rms_norm_f32w_f32, torch.bfloat16: lib.rms_norm_f32w_bf16}
+        for fn in self._norm_f32w.values():
+            fn.restype, fn.argtypes = None, [p, lg, p, p, i, i, f, i]
         self._rotary = {torch.float32: lib.rotary_f32, torch.bfloat16: lib.rotary_bf16}
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         for fn in self._norm.values():
@@ -358,6 +361,18 @@ class FusedOps:
             weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads(),
         )  # fmt: skip
         return out, summed
+
+    def rms_norm_f32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """cast(x * rsqrt(mean(x^2) + eps) * weight) for a float32 weight, x [rows, dim]."""
+        rows, dim = x.shape
+        if not _row_view_ok(x):
+            raise ValueError("rms_norm kernel: inputs must be [rows, dim] with contiguous rows")
+        if not weight.is_contiguous() or weight.dtype != torch.float32 or weight.numel() != dim:
+            raise ValueError("rms_norm kernel: weight must be a contiguous float32 [dim]")
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self._norm_f32w[x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
+                                 torch.get_num_threads())  # fmt: skip
+        return out
 
     def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate, in place, the first num_heads heads of each row of x [rows, >= num_heads * head_dim];

@@ -29,6 +29,10 @@ class LayerOps(Protocol):
         """(rms_norm(s), s) with s = x + residual: a residual add and the norm after it."""
         ...
 
+    def rms_norm_f32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """cast(x * rsqrt(mean(x^2) + eps) * weight), all in float32 with a float32 weight (Gemma)."""
+        ...
+
     def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first num_heads heads of each row of x [T, >= num_heads * D] (HF's half-split
         layout); cos, sin: [T, D]. May work in place; returns the rotated [T, num_heads, D]."""
@@ -55,6 +59,11 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         summed = x + residual
         return self.rms_norm(summed, weight, eps), summed
+
+    def rms_norm_f32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * weight).to(x.dtype)
 
     def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = cos.shape
@@ -90,6 +99,12 @@ class NativeOps:
         out, summed = self.fused.rms_norm(x, weight, eps, residual)
         assert summed is not None
         return out, summed
+
+    def rms_norm_f32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # per-head norms ([T, H, D]) as rows of D
+        if not self._covers(rows):
+            return self.fallback.rms_norm_f32_weight(x, weight, eps)
+        return self.fused.rms_norm_f32_weight(rows, weight, eps).view(x.shape)
 
     def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not self._covers(x):

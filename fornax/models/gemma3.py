@@ -27,6 +27,7 @@ from torch import nn
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata
 from fornax.layers.linear import Linear
+from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
 from fornax.models.llama import MLP, Attention, KVCache, LlamaForCausalLM
 
@@ -40,14 +41,13 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
         self.eps = eps
+        self.ops: LayerOps = TORCH_OPS  # set by Gemma3ForCausalLM.use_ops
 
     def set_from_hf(self, w: torch.Tensor, dtype: torch.dtype) -> None:
         self.weight.copy_(1.0 + w.to(dtype).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight).to(x.dtype)
+        return self.ops.rms_norm_f32_weight(x, self.weight, self.eps)
 
 
 class Gemma3Attention(Attention):
@@ -129,6 +129,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             sliding = layer.self_attn.sliding
             x = layer(x, local if sliding else full, kv_cache.layers[i], windowed if sliding else meta)
         return self.norm(x)
+
+    def use_ops(self, ops: LayerOps) -> None:
+        super().use_ops(ops)
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -223,6 +223,24 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_gemma_norm_with_a_float32_weight(dtype, rows):
+    """Gemma's norm: scaled by a float32 (1 + w) before the one rounding, rows or per-head [T, H, D]."""
+    weight = torch.rand(640, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = _strided_rows(rows, 640, dtype, 2)
+    ref = TorchOps().rms_norm_f32_weight(x, weight, 1e-6)
+    out = NativeOps(FUSED).rms_norm_f32_weight(x, weight, 1e-6)
+    assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype] * ref.float().abs().max().item()
+    heads = torch.randn(rows, 4, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    w256 = weight[:256].contiguous()
+    ref_h, out_h = TorchOps().rms_norm_f32_weight(heads, w256, 1e-6), NativeOps(FUSED).rms_norm_f32_weight(heads, w256, 1e-6)
+    assert out_h.shape == heads.shape
+    assert (out_h.float() - ref_h.float()).abs().max().item() <= TOL[dtype] * ref_h.float().abs().max().item()
+    if dtype == torch.bfloat16:  # rounds where torch rounds: all but a rare last-bit tie of the mean's order
+        assert (out_h != ref_h).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 20])
 def test_rotary_in_place_matches_apply_rotary(dtype, rows):
     heads, kv_heads, dim = HEADS, KV_HEADS, DIM

@@ -169,3 +169,24 @@ def test_int8_kv_cache_perplexity_stays_close(default_gguf):
         del llm
     assert ppl["int8"] != ppl["auto"], ppl
     assert ppl["int8"] <= ppl["auto"] * 1.01, ppl
+
+
+def test_int4_lm_head_serves_one_and_two_row_steps(default_gguf):
+    if load_quant_matmul() is None:
+        pytest.skip("no AVX-512 VNNI or no C compiler: no int4 LM head")
+    from fornax.models import LM_HEAD_INT4_MAX_ROWS
+
+    llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", lm_head_quantization="int4",
+              kv_cache_memory="32MiB", progress=False)  # fmt: skip
+    head = llm.engine.runner.model.lm_head
+    assert isinstance(head.small, BlockInt4) and head.small_max_rows == LM_HEAD_INT4_MAX_ROWS
+    assert head.weight is None  # the int8 x int8 form serves the larger steps; no dense copy left
+    hidden = torch.randn(LM_HEAD_INT4_MAX_ROWS + 1, head.in_features).bfloat16()
+    small, large = head(hidden[:1]).float(), head.large(hidden[:1]).float()
+    # int4 against int8 of the same head: close, not equal (random activations; the quality on
+    # real text is benchmarks/quantization_quality.py's auto+w8a8+head4)
+    assert not torch.equal(small, large)
+    assert torch.nn.functional.cosine_similarity(small, large).item() > 0.98
+    assert torch.equal(head(hidden), head.large(hidden))  # three rows: int8 x int8
+    with pytest.raises(ValueError, match="lm_head_quantization"):
+        LLM(str(default_gguf), lm_head_quantization="int2", progress=False)

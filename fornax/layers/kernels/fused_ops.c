@@ -80,6 +80,35 @@
         }                                                                                        \
     }
 
+/* y = cast(x * rsqrt(mean(x^2) + eps) * w), w float32, rounded once (Gemma's norm, w = 1 + weight:
+ * HF multiplies in float32 before casting back). */
+#define DEFINE_RMS_NORM_F32W(NAME, T, LOAD, ROUND, STORE, V)                                     \
+    void NAME(const T *x, long x_stride, const float *weight, T *out, int rows, int dim, float eps, \
+              int num_threads) {                                                                 \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)")      \
+        for (int r = 0; r < rows; r++) {                                                         \
+            const T *xr = x + r * x_stride;                                                      \
+            T *o = out + (long)r * dim;                                                          \
+            float ss = 0.f;                                                                      \
+            int i = 0;                                                                           \
+            VEC_ONLY(__m512 ssv = _mm512_setzero_ps();                                           \
+                     for (; i + 16 <= dim; i += 16) {                                            \
+                         const __m512 v = vload_##V(xr + i);                                     \
+                         ssv = _mm512_fmadd_ps(v, v, ssv);                                       \
+                     })                                                                          \
+            for (; i < dim; i++) { const float v = LOAD(xr, i); ss += v * v; }                   \
+            VEC_ONLY(ss += _mm512_reduce_add_ps(ssv);)                                           \
+            const float inv = 1.f / sqrtf(ss / dim + eps);                                       \
+            i = 0;                                                                               \
+            VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                            \
+                const __m512 v = _mm512_mul_ps(vload_##V(xr + i), _mm512_set1_ps(inv));          \
+                vstore_##V(o + i, vround_##V(_mm512_mul_ps(v, _mm512_loadu_ps(weight + i))));  \
+            })                                                                                   \
+            for (; i < dim; i++)                                                                 \
+                STORE(o, i, ROUND(LOAD(xr, i) * inv * weight[i]));                               \
+        }                                                                                        \
+    }
+
 /* In place, half-split layout (HF's rotate_half): for each of the first num_heads heads of
  * every row, x = x * cos + cat(-x2, x1) * sin, cos/sin [rows, head_dim] contiguous. */
 #define DEFINE_ROTARY(NAME, T, LOAD, ROUND, STORE, V)                                             \
@@ -135,6 +164,8 @@
 
 DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)
+DEFINE_RMS_NORM_F32W(rms_norm_f32w_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
+DEFINE_RMS_NORM_F32W(rms_norm_f32w_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)
 DEFINE_ROTARY(rotary_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, LOAD_BF16, ROUND_BF16, STORE_BF16, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, ROUND_F32, STORE_F32, f32)
