@@ -55,13 +55,13 @@ async def main_async(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     results: dict[str, list[float]] = {"shared thread": [], "thread per engine": []}
     for r in range(args.rounds):
-        for arrangement in results:
+        for arrangement, values in results.items():
             engines = build(names)
             shared = EngineThread() if arrangement == "shared thread" else None
             for e in engines:
                 e.start(loop, shared)
             await round_trip(engines, 1, 4, "warm")
-            results[arrangement].append(await round_trip(engines, args.streams, args.tokens, f"r{r}"))
+            values.append(await round_trip(engines, args.streams, args.tokens, f"r{r}"))
             for e in engines:
                 e.stop()
             if shared is not None:

@@ -174,10 +174,9 @@ class AsyncEngine:
         must outlive the process (the KV disk tier's pending writes, EngineCore.close) unless
         the thread is stuck in a step."""
         if self._thread is not None:
-            if self._own_thread:
-                if not self._thread.stop():
-                    logger.warning("the engine thread did not stop; KV disk tier writes are not flushed")
-                    return
+            if self._own_thread and not self._thread.stop():
+                logger.warning("the engine thread did not stop; KV disk tier writes are not flushed")
+                return
             self._thread.detach(self)
         try:
             self.core.close()

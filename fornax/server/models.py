@@ -115,7 +115,7 @@ class ModelSet:
                 model.loading = asyncio.ensure_future(self._load_model(model))
         try:
             return await asyncio.wait_for(asyncio.shield(model.loading), self.load_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError(503, f"the model '{model.name}' is still loading", code="model_loading",
                            headers={"Retry-After": str(self.retry_after_s)}) from None  # fmt: skip
         except ApiError:
