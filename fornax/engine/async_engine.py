@@ -95,10 +95,6 @@ class EngineThread:
         with self._work_lock:
             pass  # the iteration that may still hold it has ended
 
-    @property
-    def num_engines(self) -> int:
-        return len(self._engines)
-
     def wake(self) -> None:
         self._wake.set()
 

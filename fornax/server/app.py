@@ -102,8 +102,7 @@ async def _load_all(app: FastAPI, state: ServerState) -> None:
     answers 503 meanwhile); one that fails stops the process with status 1."""
     for model in state.models.models:
         try:
-            model.loading = asyncio.ensure_future(state.models._load_model(model))
-            await model.loading
+            await state.models.start_load(model)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - reported, and the process exits 1

@@ -10,7 +10,7 @@ model is busy, the request is refused with 503 and Retry-After.
 
 The engines take turns on one thread (engine/async_engine.py EngineThread): one step at a
 time with all the CPU's threads, rather than a thread per engine, whose OpenMP teams would
-oversubscribe the cores (the measurement is in engine/async_engine.py and server/app.py).
+oversubscribe the cores (measured: benchmarks/multi_model.py, docs/models.md).
 
 A lease is held from the moment a handler takes the engine until its response has been
 sent (the `ModelLeases` middleware releases it), so a model is never unloaded under a
@@ -46,7 +46,7 @@ class ServedModel:
     live: LiveStats  # the visualizer's rolling window of its steps
     engine: AsyncEngine | None = None
     load_error: str | None = None
-    loading: asyncio.Task[AsyncEngine] | None = None
+    loading: asyncio.Future[AsyncEngine] | None = None
     leases: int = 0  # requests holding the engine (ModelSet.lease until ModelLeases releases)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -112,7 +112,7 @@ class ModelSet:
             if model.engine is not None:  # loaded while this request waited for the room
                 return model.engine
             if model.loading is None:
-                model.loading = asyncio.ensure_future(self._load_model(model))
+                self.start_load(model)
         try:
             return await asyncio.wait_for(asyncio.shield(model.loading), self.load_timeout_s)
         except TimeoutError:
@@ -137,6 +137,11 @@ class ModelSet:
                                f"{self.max_loaded}); retry shortly", code="models_busy",
                                headers={"Retry-After": str(self.retry_after_s)})  # fmt: skip
             await self.unload(idle[0])
+
+    def start_load(self, model: ServedModel) -> asyncio.Future[AsyncEngine]:
+        """Begin loading `model` (its `loading` future, which every waiter awaits)."""
+        model.loading = asyncio.ensure_future(self._load_model(model))
+        return model.loading
 
     async def _load_model(self, model: ServedModel) -> AsyncEngine:
         assert self._load is not None
