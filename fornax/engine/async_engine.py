@@ -305,17 +305,17 @@ class AsyncEngine:
                 done.set_result(result)
 
     def _after_step(self, start: float, outputs: list[EngineOutput]) -> None:
-        sched = self.core.scheduler
-        last = self.core.last_step
+        duration_s = time.monotonic() - start
+        engine = self.core.stats()
         stats = StepStats(
             time=time.time(),
-            duration_s=time.monotonic() - start,
-            num_batched_tokens=last[0],
-            num_seqs=last[1],
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=sched.kv_cache_usage,
-            num_preemptions_total=sched.num_preemptions_total,
+            duration_s=duration_s,
+            num_batched_tokens=engine.last_step_num_batched_tokens,
+            num_seqs=engine.last_step_num_seqs,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            kv_cache_usage=engine.kv_cache_usage,
+            num_preemptions_total=engine.num_preemptions_total,
             outputs=outputs,
         )
         self.last_stats = stats

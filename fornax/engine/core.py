@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +23,12 @@ from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
-from fornax.engine.memory import MemoryReport, memory_report
+from fornax.engine.memory import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
+from fornax.engine.stats import EngineStats, SequenceView
 from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
 from fornax.layers.memory import malloc_stats, release_free_heap
@@ -35,6 +36,9 @@ from fornax.models import DTYPES, LoadedModel
 from fornax.models.llama import KVCache
 from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
 from fornax.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fornax.engine.kv.offload.tiered import OffloadStats
 
 logger = logging.getLogger("fornax.engine")
 
@@ -87,7 +91,7 @@ class EngineCore:
         self.children: dict[str, list[str]] = {}  # parent id -> child request ids
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
-        self.last_step: tuple[int, int] = (0, 0)  # (batched tokens, sequences) of the last step
+        self._last_step_tokens = self._last_step_seqs = 0  # batched tokens, sequences (stats())
         # Memory breakdown (engine/memory.py): what the tokenizer took as it loaded (set by
         # build_engine_core, which measures it), and the files whose pages hold weights.
         self.tokenizer_bytes = 0
@@ -101,7 +105,9 @@ class EngineCore:
 
     def memory_report(self) -> MemoryReport:
         """The process's resident memory by owner (engine/memory.py); call between steps."""
-        return memory_report(self)
+        proposer = self.spec.proposer if self.spec is not None else None
+        tensors = engine_tensors(self.runner, proposer)
+        return memory_report(tensors, self.tokenizer_bytes, self.model_files)
 
     # -- requests in and out --
     def add_request(
@@ -165,7 +171,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.drop(sched.finished_request_ids)  # the draft model frees their KV too
-        self.last_step = (sched.num_batched_tokens, len(sched.scheduled))
+        self._last_step_tokens, self._last_step_seqs = sched.num_batched_tokens, len(sched.scheduled)
         tap = self.event_tap if self.event_tap is not None and self.events.active else None
         if tap is not None:
             self._to_tap(tap.on_schedule, sched)
@@ -317,7 +323,68 @@ class EngineCore:
         if connector is not None:
             connector.close(self.runner.kv_cache)
 
-    # -- introspection for metrics, tests and the UI --
+    # -- what observers read (engine/stats.py); the event tap's view (engine/event_tap.py) --
+    def stats(self) -> EngineStats:
+        """Queues, KV cache and counters, as of the end of the last step. No side effects."""
+        sched, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_preemptions_total=sched.num_preemptions_total,
+            block_size=kv.block_size,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            spec_num_draft_tokens_total=sched.spec_num_draft_tokens_total,
+            spec_num_accepted_tokens_total=sched.spec_num_accepted_tokens_total,
+            last_step_num_batched_tokens=self._last_step_tokens,
+            last_step_num_seqs=self._last_step_seqs,
+        )
+
+    def take_offload_stats(self) -> OffloadStats | None:
+        """The KV tiers' counters and occupancy (None without tiers). Takes the transfer times
+        recorded since the previous call: one reader (the metrics' scrape) should call it."""
+        connector = self.scheduler.connector
+        return connector.stats() if connector is not None else None
+
+    def sequences(self) -> list[SequenceView]:
+        """Every admitted, unfinished sequence: the running batch in admission order, then the
+        waiting queue (in the order it is served, for the fcfs policy)."""
+        sched = self.scheduler
+        return [self._view(req) for req in sched.running] + [self._view(req) for req in sched.waiting]
+
+    def _view(self, req: Request) -> SequenceView:
+        parent, index = self.sequence_key(req.request_id)
+        return SequenceView(
+            request_id=parent,
+            index=index,
+            status=req.status,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed_tokens=req.num_computed_tokens,
+            num_tokens=req.num_tokens,
+            num_blocks=len(self.scheduler.kv.get_block_ids(req.request_id)),
+        )
+
+    def sequence_key(self, child_id: str) -> tuple[str, int]:
+        """(the user's request id, sample index) of an engine sequence id; a sequence already
+        forgotten maps to itself, index 0."""
+        seq = self.seqs.get(child_id)
+        return (seq.parent_id, seq.index) if seq is not None else (child_id, 0)
+
+    def find_sequence(self, request_id: str, index: int) -> Request | None:
+        """Sample `index` of request `request_id`, while the scheduler holds it."""
+        for child_id in self.children.get(request_id, []):
+            seq = self.seqs.get(child_id)
+            if seq is not None and seq.index == index:
+                return self.scheduler.get_request(child_id)
+        return None
+
+    def block_ids(self, child_id: str) -> list[int]:
+        """The KV block table of an engine sequence (empty once it holds none)."""
+        return self.scheduler.kv.get_block_ids(child_id)
+
     def check_integrity(self) -> None:
         self.scheduler.kv.check_integrity()
         connector = self.scheduler.connector

@@ -1,5 +1,8 @@
 """Turns the core's step state into lifecycle events for the EventBus (engine thread only).
 
+The tap reads the engine through `EngineView`, the few queries EngineCore answers for it, and
+never imports EngineCore: core.py -> event_tap.py is the only import between the two.
+
 EngineCore calls this only after checking `bus.active`, so nothing here runs (and no state
 here grows) while nobody watches. State kept across steps, per sequence: how many blocks
 it held (to report only new ones), when its last token came (inter-token latency), and
@@ -10,14 +13,34 @@ goes idle and active again, that state may be stale: it is dropped (`bus.generat
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fornax.engine.events import Event, EventBus
 from fornax.engine.outputs import EngineOutput, SchedulerOutput
 from fornax.engine.request import Request, SamplingParams
+from fornax.engine.stats import EngineStats
 
-if TYPE_CHECKING:
-    from fornax.engine.core import EngineCore
+
+class TokenBytes(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class EngineView(Protocol):
+    """What the tap reads of the engine (EngineCore implements it), called between two of its
+    steps' stages in the engine thread."""
+
+    @property
+    def tokenizer(self) -> TokenBytes: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def sequence_key(self, child_id: str) -> tuple[str, int]:
+        """(the user's request id, sample index) of an engine sequence id."""
+        ...
+
+    def find_sequence(self, request_id: str, index: int) -> Request | None: ...
+
+    def block_ids(self, child_id: str) -> list[int]: ...
 
 
 class EventTap:
@@ -40,32 +63,34 @@ class EventTap:
             self._last_token.clear()
 
     # -- hooks called by EngineCore --
-    def on_add(self, core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def on_add(self, core: EngineView, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         self._sync()
-        sched = core.scheduler
+        stats = core.stats()
         data = {"num_prompt_tokens": len(prompt), "n": params.n, "max_tokens": params.max_tokens,
-                "position": sched.num_waiting - 1, "num_waiting": sched.num_waiting,
-                "num_running": sched.num_running}  # fmt: skip
+                "position": stats.num_waiting - 1, "num_waiting": stats.num_waiting,
+                "num_running": stats.num_running}  # fmt: skip
         self.bus.publish([Event("queued", request_id, time.time(), data)])
 
-    def on_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
+    def on_schedule(self, core: EngineView, sched: SchedulerOutput) -> None:
         """After schedule(), before the forward pass: admissions, new blocks, preemptions."""
         self._sync()
         self.step_id += 1
         self._step_start = time.monotonic()
         now = time.time()
+        stats = core.stats()  # after schedule(): admissions and allocations are done
         events: list[Event] = []
         batch = [s.request.request_id for s in sched.scheduled]
         for child_id in sched.finished_request_ids:  # finished or aborted since the last step
             self._blocks.pop(child_id, None)
         for child_id in sched.preempted_request_ids:
             self._blocks.pop(child_id, None)
-            events.append(Event("preempted", _parent(core, child_id), now, {"index": _index(core, child_id)}))
+            parent, index = core.sequence_key(child_id)
+            events.append(Event("preempted", parent, now, {"index": index}))
         self._chunks = []
         self._verifying = []
         for s in sched.scheduled:
             req, child_id = s.request, s.request.request_id
-            parent, index = _parent(core, child_id), _index(core, child_id)
+            parent, index = core.sequence_key(child_id)
             if s.spec_token_ids:
                 spec = (list(s.block_ids), len(s.spec_token_ids), req.spec.num_accepted_tokens)
                 self._verifying.append((req, parent, index, *spec))
@@ -75,19 +100,19 @@ class EventTap:
                 cached = start // self.block_size  # prefix hits are whole blocks, all at the front
                 events.append(Event("scheduled", parent, now, {
                     "index": index, "step": self.step_id, "batch_size": len(batch),
-                    "batch": [_parent(core, b) for b in batch if b != child_id],
-                    "num_running": core.scheduler.num_running, "num_waiting": core.scheduler.num_waiting,
+                    "batch": [core.sequence_key(b)[0] for b in batch if b != child_id],
+                    "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                     "num_cached_tokens": start,
                 }))  # fmt: skip
                 events.append(Event("blocks", parent, now, {
                     "index": index, "new": s.block_ids[cached:], "cached": s.block_ids[:cached],
-                    "table": list(s.block_ids), "num_free_blocks": core.scheduler.kv.num_free_blocks,
+                    "table": list(s.block_ids), "num_free_blocks": stats.num_free_kv_blocks,
                     "tiers": _tiers(sched, child_id, s.block_ids),
                 }))  # fmt: skip
             elif len(s.block_ids) > held:
                 events.append(Event("blocks", parent, now, {
                     "index": index, "new": s.block_ids[held:], "cached": [], "table": list(s.block_ids),
-                    "num_free_blocks": core.scheduler.kv.num_free_blocks,
+                    "num_free_blocks": stats.num_free_kv_blocks,
                 }))  # fmt: skip
             self._blocks[child_id] = len(s.block_ids)
             end = start + s.num_new_tokens
@@ -95,7 +120,7 @@ class EventTap:
                 self._chunks.append((req, parent, index, start, end))
         self.bus.publish(events)
 
-    def on_outputs(self, core: EngineCore, outputs: list[EngineOutput]) -> None:
+    def on_outputs(self, core: EngineView, outputs: list[EngineOutput]) -> None:
         """After update: the prefill chunks just computed, the tokens sampled, the finishes."""
         self._sync()
         mono, now = time.monotonic(), time.time()
@@ -106,15 +131,15 @@ class EventTap:
                 "num_prompt_tokens": req.num_prompt_tokens, "duration_s": mono - self._step_start,
             }))  # fmt: skip
         self._chunks = []
-        kv = core.scheduler.kv
+        stats = core.stats()  # after update: rejected drafts' blocks are back in the pool
         for req, parent, index, held, drafts, accepted_before in self._verifying:
             # Rejected drafts are rolled back and the blocks that held only them go back to the
             # pool (Scheduler._settle_drafts); a finished request frees everything on its own.
-            after = kv.get_block_ids(req.request_id) if not req.is_finished else held
+            after = core.block_ids(req.request_id) if not req.is_finished else held
             events.append(Event("spec_verify", parent, now, {
                 "index": index, "step": self.step_id, "num_draft_tokens": drafts,
                 "num_accepted_tokens": req.spec.num_accepted_tokens - accepted_before,
-                "released_blocks": held[len(after):], "num_free_blocks": kv.num_free_blocks,
+                "released_blocks": held[len(after):], "num_free_blocks": stats.num_free_kv_blocks,
             }))  # fmt: skip
             self._blocks[req.request_id] = len(after)
         self._verifying = []
@@ -129,7 +154,7 @@ class EventTap:
                         "bytes": tokenizer.token_bytes(token).hex(),
                         "logprob": None if lp is None else lp.logprob,
                         "itl_s": None if last is None else mono - last,
-                        "batch_size": core.last_step[1]}  # fmt: skip
+                        "batch_size": stats.last_step_num_seqs}  # fmt: skip
                 if last is None:
                     data["ttft_s"] = _ttft(core, out)
                 events.append(Event("token", out.request_id, now, data))
@@ -146,27 +171,14 @@ class EventTap:
         self.bus.publish(events)
 
 
-def _parent(core: EngineCore, child_id: str) -> str:
-    seq = core.seqs.get(child_id)
-    return seq.parent_id if seq is not None else child_id
-
-
-def _index(core: EngineCore, child_id: str) -> int:
-    seq = core.seqs.get(child_id)
-    return seq.index if seq is not None else 0
-
-
-def _ttft(core: EngineCore, out: EngineOutput) -> float | None:
+def _ttft(core: EngineView, out: EngineOutput) -> float | None:
     """Arrival to first token, if `out` carries the sequence's first token (else None: the bus
     went active in the middle of the request, so this is merely the first token seen)."""
     if out.timings is not None:  # already finished (and forgotten by the scheduler)
         return out.timings.get("ttft_s")
-    for child_id in core.children.get(out.request_id, []):
-        req = core.scheduler.get_request(child_id)
-        if req is None or _index(core, child_id) != out.index:
-            continue
-        if req.num_output_tokens == 1 and req.times.first_token is not None:
-            return req.times.first_token - req.times.arrival
+    req = core.find_sequence(out.request_id, out.index)
+    if req is not None and req.num_output_tokens == 1 and req.times.first_token is not None:
+        return req.times.first_token - req.times.arrival
     return None
 
 

@@ -35,7 +35,7 @@ from fornax.layers.memory import file_rss, malloc_stats, process_rss, resident_b
 from fornax.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from fornax.engine.core import EngineCore
+    from fornax.engine.runner.model_runner import ModelRunner
 
 # A Linear's forms by class, as the breakdown names them: what each is and which steps use it.
 FORM_NAMES = {
@@ -116,16 +116,15 @@ def weight_tensors(model: nn.Module, prefix: str = "weights") -> list[tuple[str,
     return out
 
 
-def engine_tensors(core: EngineCore) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an EngineCore owns, by owner (first claim wins where two share memory)."""
-    runner = core.runner
+def engine_tensors(runner: ModelRunner, proposer: object | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an engine owns, by owner (first claim wins where two share memory): its
+    runner's model, KV pools and host KV tier, and the speculative proposer's, if any."""
     model = runner.model
     out = weight_tensors(model)
     out += [("rotary tables", b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()]
     out += [("KV cache pools", t) for layer in runner.kv_cache.layers for t in layer.tensors()]
     if runner.kv_connector is not None:
         out += [("KV host tier", t) for t in runner.kv_connector.memory_tensors()]
-    proposer = core.spec.proposer if core.spec is not None else None
     draft = getattr(proposer, "model", None)  # the draft-model proposers own a model and its KV
     if isinstance(draft, nn.Module):
         out += weight_tensors(draft, "draft model")
@@ -181,19 +180,22 @@ def python_object_arenas() -> int | None:
     return int(match.group(1)) * int(match.group(2)) if match else None
 
 
-def memory_report(core: EngineCore) -> MemoryReport:
-    """The process's resident memory by owner. The pages mapped from core.model_files (the GGUF
+def memory_report(
+    tensors: Iterable[tuple[str, torch.Tensor]], tokenizer_bytes: int, model_files: set[str]
+) -> MemoryReport:
+    """The process's resident memory by owner: `tensors` (engine_tensors), what the tokenizer
+    took as it loaded, and the rest measured here. The pages mapped from `model_files` (the GGUF
     the embedding rows are read from) belong to the weights, not to the libraries."""
-    owners = _by_owner(engine_tensors(core))
+    owners = _by_owner(tensors)
     lines = [MemoryLine(owner, resident_bytes(spans)) for owner, spans in owners.items()]
-    lines.append(MemoryLine("tokenizer", core.tokenizer_bytes))
+    lines.append(MemoryLine("tokenizer", tokenizer_bytes))
     stats = malloc_stats()
     if stats is not None:
         # The rotary tables come from malloc and are counted above already. (Where transparent
         # huge pages are off, hugepages.pack leaves the weights in malloc too, and they are then
         # counted twice: not handled.)
         rotary = sum(size for _, size in owners.get("rotary tables", []))
-        in_use = max(0, stats.in_use - core.tokenizer_bytes - rotary)
+        in_use = max(0, stats.in_use - tokenizer_bytes - rotary)
         owner = "malloc in use: step tensors, oneDNN scratch, Python's large objects"
         lines.append(MemoryLine(owner, in_use))
     arenas = python_object_arenas()
@@ -201,9 +203,9 @@ def memory_report(core: EngineCore) -> MemoryReport:
         lines.append(MemoryLine("Python objects (small-object arenas)", arenas))
     files = file_rss()
     # mincore would report the page cache, not this process's share: smaps gives the latter.
-    model_pages = sum(v for p, v in files.items() if p in core.model_files)
+    model_pages = sum(v for p, v in files.items() if p in model_files)
     if model_pages:
         lines.append(MemoryLine("weights: model file pages (embedding rows read in place)", model_pages))
-    libraries = sum(v for p, v in files.items() if p not in core.model_files)
+    libraries = sum(v for p, v in files.items() if p not in model_files)
     lines.append(MemoryLine("shared libraries (code and data)", libraries))
     return MemoryReport(rss=process_rss(), lines=lines)
