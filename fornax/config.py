@@ -1,7 +1,7 @@
 """Frozen configs: the only home of defaults, validation and environment variables.
 
 What is learned later (for example the number of KV blocks after sizing the pool) comes
-back as a new object via `dataclasses.replace`, never by mutation (DESIGN.md rule 5).
+back as a new object via `dataclasses.replace`, never by mutation (docs/architecture.md, rule 5).
 """
 
 from __future__ import annotations

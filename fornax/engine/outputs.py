@@ -1,4 +1,4 @@
-"""The typed objects handed from one stage of a step to the next (DESIGN.md rule 3):
+"""The typed objects handed from one stage of a step to the next (docs/architecture.md, rule 3):
 
     Request -> SchedulerOutput -> ModelRunnerOutput -> (EngineCore) -> RequestOutput
 

@@ -1,7 +1,7 @@
 """Per-request state: SamplingParams, Request, RequestStatus.
 
 No torch here: the scheduler and the KV manager work on these objects and must stay
-pure bookkeeping (DESIGN.md rule 1). One phase model (rule 2): a request's
+pure bookkeeping (docs/architecture.md, rule 1). One phase model (rule 2): a request's
 `num_computed_tokens` catches up with `num_tokens`; prefill, chunked prefill,
 prefix-cache hits and decode are all just token counts.
 """

@@ -1,6 +1,6 @@
 """Token-budget continuous batching: which requests compute how many tokens this step.
 
-Pure bookkeeping, no torch (DESIGN.md rule 1). One phase model (rule 2): each request's
+Pure bookkeeping, no torch (docs/architecture.md, rule 1). One phase model (rule 2): each request's
 `num_computed_tokens` catches up with its `num_tokens`; a step gives a request
 `num_new_tokens` of that gap. A prompt that does not fit the budget is split over steps
 (chunked prefill); decodes are gaps of 1; both mix freely in one batch.

@@ -12,7 +12,7 @@ per step; every layer reuses it. Each layer writes its new K/V into the paged ca
 - prefill chunks form another group on SDPA (plain causal when it is a lone fresh prompt).
 
 So short decode rows are never padded to the length of a long prompt, and no loop over
-requests runs inside a layer (DESIGN.md rule 7).
+requests runs inside a layer (docs/architecture.md, rule 7).
 """
 
 from __future__ import annotations

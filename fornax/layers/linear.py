@@ -5,7 +5,7 @@ rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16
 one row: bf16 3.5 ms, int8 2.5 ms, int4 0.8 ms, benchmarks/linear_kernels.py); with many
 rows (prefill), bf16 through oneDNN beats them. So a Linear keeps its dense weight and, when
 configured, a "small-step" form chosen by `method`; `forward` picks by the row count of its
-input. The forms are small classes in registries (DESIGN.md rule 8), not branches inside the
+input. The forms are small classes in registries (docs/architecture.md, rule 8), not branches inside the
 hot loop: BlockInt4 / BlockInt8 run fornax's integer-dot-product kernel
 (kernels/quant_matmul.c) where the CPU has AVX-512 VNNI and kernel_backend is "native"; they
 are also what the one-call small step (models/native_step.py) reads. Int4Grouped /

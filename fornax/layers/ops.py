@@ -4,7 +4,7 @@
 for bit-level agreement in bf16). `NativeOps` runs the same expressions as one native call
 each (layers/kernels/fused_ops.c), rounding where torch rounds, and hands anything its
 kernels do not cover (another dtype, a layout that is not rows) to `TorchOps`. Layers hold
-one of them and call it unconditionally (DESIGN.md rule 8); `layer_ops(backend, dtype)` picks.
+one of them and call it unconditionally (docs/architecture.md, rule 8); `layer_ops(backend, dtype)` picks.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 
 Each takes `?model=` (a served name; default: the first model) on a server with several.
 
-The page talks HTTP only, like any client (DESIGN.md): it never sees engine objects.
+The page talks HTTP only, like any client (docs/architecture.md, "Layering"): it never sees engine objects.
 With `?router=URL` it sends its chat request through a `fornax router` and shows which replica
 ran it and why (app.js; the router lets its replicas' pages read it: fornax/router/cors.py).
 A user key sees only its own requests in both streams (server/tenancy.py); an admin key all.

@@ -1,6 +1,6 @@
 """Speculative decoding: proposers guess the next tokens cheaply, the target verifies them.
 
-A proposer is a small Protocol with a registry (DESIGN.md rule 8). The engine core asks the
+A proposer is a small Protocol with a registry (docs/architecture.md, rule 8). The engine core asks the
 `SpecController` for drafts before each schedule(); the scheduler fits them into the step as
 extra tokens of a decode (num_new_tokens = 1 + k); the runner verifies them
 (engine/sample/rejection.py); the scheduler keeps the accepted ones and rolls back the rest.

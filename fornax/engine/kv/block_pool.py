@@ -1,6 +1,6 @@
 """The physical KV blocks: ref counts, an O(1) LRU free list, and the prefix-cache map.
 
-Pure bookkeeping (DESIGN.md rule 1): a block here is an id plus counters; the tensors
+Pure bookkeeping (docs/architecture.md, rule 1): a block here is an id plus counters; the tensors
 that hold K/V live in the runner, indexed by these ids.
 
 Life of a block:

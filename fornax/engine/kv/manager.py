@@ -1,6 +1,6 @@
 """Per-request block tables on top of the BlockPool: prefix lookup, allocate, cache, free.
 
-Pure bookkeeping (DESIGN.md rule 1). Token `t` of a request lives in slot
+Pure bookkeeping (docs/architecture.md, rule 1). Token `t` of a request lives in slot
 `t % block_size` of block `table[t // block_size]`. A block is "full" once all
 `block_size` of its tokens exist; it may be registered in the prefix cache only when all
 of them are also computed, because only then does its K/V exist.

@@ -1,7 +1,7 @@
 """SamplingMetadata: every request's sampling parameters as batch tensors, built once per step.
 
 The sampler never looks at a Request: the runner calls `SamplingMetadata.build` once per
-step and the sampler works on the tensors only (DESIGN.md rule 7). Each optional stage
+step and the sampler works on the tensors only (docs/architecture.md, rule 7). Each optional stage
 (penalties, logit bias, min_tokens, top-k, top-p, min-p, logprobs) is `None` when no row
 in the batch uses it, so a batch of plain requests pays for none of them.
 
