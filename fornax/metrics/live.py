@@ -1,7 +1,8 @@
 """A rolling window of per-second server stats for the live panel of the visualizer.
 
-Fed by the engine's StepStats (engine thread, after every step) and by finished requests'
-records (event loop), read by the /v1/fornax/live stream (event loop); one lock guards it.
+Fed by the engine's StepStats (engine thread, after every step) and by finished requests
+(metrics/records.py; the server's RequestRecord) in the event loop, read by the
+/v1/fornax/live stream (event loop); one lock guards it.
 Prometheus keeps histograms since start; a live chart wants "the last few minutes", so this
 keeps one small bucket per second for `window_s` seconds and summarizes on read.
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fornax.engine.async_engine import StepStats
-    from fornax.server.state import RequestRecord
+    from fornax.metrics.records import FinishedRequest
 
 
 @dataclass
@@ -72,7 +73,7 @@ class LiveStats:
                 else:
                     self._last_token[key] = mono
 
-    def on_record(self, record: RequestRecord) -> None:
+    def on_record(self, record: FinishedRequest) -> None:
         """Event loop: one finished request's TTFT (aborted ones before their first token have none)."""
         ttft = record.timings.get("ttft_s")
         if ttft is None or record.num_completion_tokens == 0:

@@ -3,14 +3,16 @@ batch sizes and inter-token gaps, engine gauges, and error counts by HTTP status
 
 Three feeds, each cheap and each in one place:
 
-- `on_record(record)`: the server's RequestRecord, once per finished request (event loop).
+- `on_record(record)`: a finished request (metrics/records.py; the server's RequestRecord),
+  once per finished request (event loop).
   Latency histograms (TTFT, E2E, queue, prefill, decode, time per output token), token
   counters and histograms, success by finish reason, aborts.
 - `on_step(stats)`: the engine's StepStats, after every step (engine thread). Batch size
   histograms and the inter-token latency, from the time each sequence's tokens arrive.
-- `refresh(snapshot)`: engine state read at scrape time between two steps (event loop),
-  so gauges are never stale when the engine idles, and the engine's cumulative totals
-  (prefix cache queries/hits, preemptions) are mirrored into counters by their deltas.
+- `refresh(snapshot)`: the engine's EngineStats (and KV tier stats) read at scrape time
+  between two steps (event loop), so gauges are never stale when the engine idles, and the
+  engine's cumulative totals (prefix cache queries/hits, preemptions) are mirrored into
+  counters by their deltas.
 
 Every metric is named `fornax:<name>` and labelled `model_name`. The registry is private to
 the object, so several servers (or tests) in one process never collide.
@@ -29,8 +31,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from fornax.engine.async_engine import StepStats
+    from fornax.engine.core import EngineCore
     from fornax.engine.kv.offload.tiered import OffloadStats
-    from fornax.server.state import RequestRecord
+    from fornax.engine.stats import EngineStats
+    from fornax.metrics.records import FinishedRequest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 logger = logging.getLogger("fornax.metrics")
@@ -63,36 +67,18 @@ def token_buckets(max_tokens: int) -> tuple[float, ...]:
         scale *= 10
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """Engine state read between two steps (see `snapshot_engine`)."""
+    """What one scrape reads of the engine, between two of its steps (see `snapshot_engine`)."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
+    stats: EngineStats
     offload: OffloadStats | None = None  # KV tiers, when the engine has them
 
 
-def snapshot_engine(core: object) -> EngineSnapshot:
-    """Run in the engine thread (AsyncEngine.call), so the numbers agree with each other."""
-    sched = core.scheduler  # type: ignore[attr-defined]
-    kv = sched.kv
-    return EngineSnapshot(
-        num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
-        kv_cache_usage=sched.kv_cache_usage,
-        num_preemptions_total=sched.num_preemptions_total,
-        prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits,
-        spec_num_draft_tokens=sched.spec_num_draft_tokens_total,
-        spec_num_accepted_tokens=sched.spec_num_accepted_tokens_total,
-        offload=sched.connector.stats() if sched.connector is not None else None,
-    )
+def snapshot_engine(core: EngineCore) -> EngineSnapshot:
+    """Run in the engine thread (AsyncEngine.call), so the numbers agree with each other. The
+    scrape is the one reader of the KV tiers' transfer times (EngineCore.take_offload_stats)."""
+    return EngineSnapshot(core.stats(), core.take_offload_stats())
 
 
 class Metrics:
@@ -112,7 +98,7 @@ class Metrics:
             return Gauge(f"fornax:{name}", doc, ["model_name"], registry=self.registry).labels(model_name)
 
         t, gap = TIME_BUCKETS, TOKEN_GAP_BUCKETS
-        # -- per request (from RequestRecord) --
+        # -- per request (from a FinishedRequest) --
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", t)
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", t)
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", t)
@@ -208,7 +194,7 @@ class Metrics:
         self.offload_usage["disk"].set(o.disk_bytes_used / o.disk_bytes_total if o.disk_bytes_total else 0.0)
 
     # -- feeds --
-    def on_record(self, record: RequestRecord) -> None:
+    def on_record(self, record: FinishedRequest) -> None:
         self.prompt_tokens.inc(record.num_prompt_tokens)
         self.generation_tokens.inc(record.num_completion_tokens)
         self.req_prompt_tokens.observe(record.num_prompt_tokens)
@@ -265,14 +251,15 @@ class Metrics:
 
     def refresh(self, snap: EngineSnapshot) -> None:
         """Gauges from the engine's state; counters grow by how much its totals grew."""
-        self.running.set(snap.num_running)
-        self.waiting.set(snap.num_waiting)
-        self.kv_usage.set(snap.kv_cache_usage)
-        mirrors = (("queries", snap.prefix_cache_queries, self.prefix_queries),
-                   ("hits", snap.prefix_cache_hits, self.prefix_hits),
-                   ("preemptions", snap.num_preemptions_total, self.preemptions),
-                   ("drafts", snap.spec_num_draft_tokens, self.spec_drafts),
-                   ("accepted", snap.spec_num_accepted_tokens, self.spec_accepted))  # fmt: skip
+        stats = snap.stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        mirrors = (("queries", stats.prefix_cache_queries, self.prefix_queries),
+                   ("hits", stats.prefix_cache_hits, self.prefix_hits),
+                   ("preemptions", stats.num_preemptions_total, self.preemptions),
+                   ("drafts", stats.spec_num_draft_tokens_total, self.spec_drafts),
+                   ("accepted", stats.spec_num_accepted_tokens_total, self.spec_accepted))  # fmt: skip
         for key, total, counter in mirrors:
             delta = total - self._mirrored[key]
             if delta > 0:

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from fornax import __version__
 from fornax.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from fornax.engine.core import EngineCore
 from fornax.engine.request import SamplingParams
 from fornax.server.admission import admit
 from fornax.server.auth import key_name, key_role
@@ -316,13 +317,13 @@ async def admin_memory(request: Request, model: str | None = None) -> dict[str, 
     return {"object": "memory", **report.as_dict()}
 
 
-def _engine_snapshot(core: Any) -> dict[str, Any]:
+def _engine_snapshot(core: EngineCore) -> dict[str, Any]:
     """Read in the engine thread, between steps, so the numbers agree with each other."""
     try:
         core.check_integrity()
         integrity = "ok"
     except AssertionError as exc:
         integrity = f"broken: {exc}"
-    sched = core.scheduler
-    return {"num_running": sched.num_running, "num_waiting": sched.num_waiting,
-            "kv_cache_usage": sched.kv_cache_usage, "kv_integrity": integrity}  # fmt: skip
+    stats = core.stats()
+    return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage, "kv_integrity": integrity}  # fmt: skip

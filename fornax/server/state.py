@@ -26,7 +26,8 @@ access_logger = logging.getLogger("fornax.access")
 
 @dataclass
 class RequestRecord:
-    """One finished (or aborted) generation request, as metrics and the access log see it."""
+    """One finished (or aborted) generation request, as the access log, usage accounting and
+    the metrics see it (the last through the fields they declare: metrics/records.py)."""
 
     request_id: str
     endpoint: str  # "chat" | "completions"

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from fornax.engine.async_engine import AsyncEngine
+from fornax.engine.core import EngineCore
 from fornax.metrics.live import LiveStats
 from fornax.server.api import sse_stream
 from fornax.server.auth import key_name, key_role
@@ -231,24 +232,19 @@ async def _snapshot(engine: AsyncEngine, stats: LiveStats) -> dict[str, Any]:
     return out
 
 
-def _queues(core: Any) -> dict[str, Any]:
+def _queues(core: EngineCore) -> dict[str, Any]:
     """Read in the engine thread between steps, so the queues and the cache agree."""
-    sched, kv = core.scheduler, core.scheduler.kv
-
-    def parent(request_id: str) -> str:
-        seq = core.seqs.get(request_id)
-        return seq.parent_id if seq is not None else request_id
-
-    running = [{"request_id": parent(r.request_id), "num_computed_tokens": r.num_computed_tokens,
-                "num_tokens": r.num_tokens, "num_prompt_tokens": r.num_prompt_tokens,
-                "num_blocks": len(kv.get_block_ids(r.request_id))} for r in sched.running]  # fmt: skip
-    waiting = [{"request_id": parent(r.request_id), "num_prompt_tokens": r.num_prompt_tokens}
-               for r in sched.waiting]  # fmt: skip
+    stats, sequences = core.stats(), core.sequences()
+    running = [{"request_id": s.request_id, "num_computed_tokens": s.num_computed_tokens,
+                "num_tokens": s.num_tokens, "num_prompt_tokens": s.num_prompt_tokens,
+                "num_blocks": s.num_blocks} for s in sequences if s.running]  # fmt: skip
+    waiting = [{"request_id": s.request_id, "num_prompt_tokens": s.num_prompt_tokens}
+               for s in sequences if not s.running]  # fmt: skip
     return {
-        "num_running": sched.num_running, "num_waiting": sched.num_waiting, "running": running,
-        "waiting": waiting, "kv_cache_usage": kv.usage, "num_blocks": kv.num_blocks,
-        "num_free_blocks": kv.num_free_blocks, "block_size": kv.block_size,
-        "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-        "num_preemptions_total": sched.num_preemptions_total,
+        "num_running": stats.num_running, "num_waiting": stats.num_waiting, "running": running,
+        "waiting": waiting, "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_kv_blocks,
+        "num_free_blocks": stats.num_free_kv_blocks, "block_size": stats.block_size,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "num_preemptions_total": stats.num_preemptions_total,
         "watchers": core.events.num_subscribers,
     }  # fmt: skip

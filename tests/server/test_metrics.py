@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from fornax.config import EngineConfig, ServerConfig
+from fornax.engine.stats import EngineStats
 from fornax.metrics.prometheus import EngineSnapshot, Metrics, token_buckets
 from fornax.server.app import create_app
 
@@ -42,14 +43,29 @@ def test_token_buckets_end_at_max_context():
     assert token_buckets(10) == (1, 2, 5, 10)
 
 
+def engine_stats(running: int, waiting: int, free_blocks: int, preemptions: int, queries: int, hits: int,
+                 drafts: int = 0, accepted: int = 0) -> EngineStats:  # fmt: skip
+    return EngineStats(
+        num_running=running, num_waiting=waiting, num_preemptions_total=preemptions, block_size=16,
+        num_kv_blocks=64, num_free_kv_blocks=free_blocks, kv_cache_usage=1.0 - free_blocks / 64,
+        prefix_cache_queries=queries, prefix_cache_hits=hits, spec_num_draft_tokens_total=drafts,
+        spec_num_accepted_tokens_total=accepted, last_step_num_batched_tokens=0, last_step_num_seqs=0,
+    )  # fmt: skip
+
+
 def test_engine_totals_are_mirrored_by_delta():
     m = Metrics(MODEL)
-    m.refresh(EngineSnapshot(2, 1, 0.5, 3, 100, 40))
-    m.refresh(EngineSnapshot(0, 0, 0.0, 4, 150, 72))
+    m.refresh(EngineSnapshot(engine_stats(2, 1, 32, 3, 100, 40, drafts=10, accepted=6)))
+    s = parse(m.render().decode())
+    assert value(s, "fornax:num_requests_running") == 2 and value(s, "fornax:num_requests_waiting") == 1
+    assert value(s, "fornax:kv_cache_usage_perc") == 0.5
+    m.refresh(EngineSnapshot(engine_stats(0, 0, 64, 4, 150, 72, drafts=25, accepted=9)))
     s = parse(m.render().decode())
     assert value(s, "fornax:prefix_cache_queries_total") == 150
     assert value(s, "fornax:prefix_cache_hits_total") == 72
     assert value(s, "fornax:num_preemptions_total") == 4
+    assert value(s, "fornax:spec_decode_num_draft_tokens_total") == 25
+    assert value(s, "fornax:spec_decode_num_accepted_tokens_total") == 9
     assert value(s, "fornax:num_requests_running") == 0 and value(s, "fornax:kv_cache_usage_perc") == 0
 
 
