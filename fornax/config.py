@@ -280,29 +280,18 @@ class SpeculativeConfig:
     # optionally with weight-only quantized linears (`quantization`: "int8" | "int4").
     draft_layers: int | None = None
     quantization: str | None = None
-    # Adaptive rule (spec_decode/controller.py): no request speculates in a step with more
-    # than `disable_by_batch_size` running requests (0: no limit); below that, each step gets
-    # only the drafts whose expected gain pays for their cost, where one more verified row
-    # costs `row_cost` of a decode step's fixed cost and one draft token `draft_cost` (None:
-    # the proposer's own estimates, per token and for a draft model's catch-up; 0 for n-gram).
-    # The expected gain comes from the acceptance learned per kind of match for n-gram
-    # (its matched length, over all requests), and otherwise from the request's acceptance
-    # EMA: a request whose EMA falls below `min_acceptance_rate` stops speculating and is
-    # re-probed every `probe_interval` steps.
-    # row_cost (None: by the target's weights) is measured here (benchmarks/spec_decode.py): on
-    # a CPU every verified row is real matmul work. Dense bf16 targets: 0.12. Quantized small
-    # steps (native integer kernels) are compute-bound past one row, so a row costs more of a
-    # step: at 0.12 open-ended prompts decoded 17% slower with n-gram drafts, at 0.5 level,
-    # grounded ones 1.17x (--quantization auto, 2026-12-03). Where the engine has timed steps
-    # of the row counts in question, it plans on those instead (controller.py, _plan).
-    # disable_by_batch_size (None: by the target's weights): 8 streams decoded 3-10% slower
-    # with n-gram drafts than without, whatever row_cost (2026-12-03), so a batch of more
-    # than 4 does not speculate with quantized small steps. Dense bf16 targets: 2; with 3-4
-    # requests left, their drafted steps passed the bf16 kernel's four-row step and the
-    # batch's tail read 0.90-0.93x (three alternating runs, 2026-12-04; a limit of 2: 0.97-1.02x).
-    min_acceptance_rate: float = 0.2
-    acceptance_ema_decay: float = 0.5
-    probe_interval: int = 16
+    # The draft budget (spec_decode/controller.py; the measurements behind each default are
+    # in docs/speculative-decoding.md). No request speculates in a step with more than
+    # `disable_by_batch_size` running requests (0: no limit; None: by the target's weights,
+    # 4 with quantized small steps, whose extra rows are compute-bound, 2 for dense ones,
+    # whose kernel steps up past four rows). Below that, a step gets the drafts whose expected
+    # gain pays for their cost, as timed on this engine's own steps. Where a step size has not
+    # been timed yet, one more verified row costs `row_cost` of a decode step's fixed cost
+    # (None: by the target's weights; a value given here also turns the timing off) and one
+    # draft token `draft_cost` (None: the proposer's own estimates, per token and for a draft
+    # model's catch-up; 0 for n-gram). The expected gain comes from the acceptance learned
+    # per kind of proposal over all requests (n-gram: its matched length; a draft model has
+    # one kind), shrunk towards the request's own record.
     disable_by_batch_size: int | None = None
     row_cost: float | None = None
     draft_cost: float | None = None
@@ -328,12 +317,8 @@ class SpeculativeConfig:
             raise ConfigError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.method == "self" and self.draft_layers is None and self.quantization is None:
             raise ConfigError("method 'self' needs 'draft_layers' and/or 'quantization'")
-        if not 0.0 <= self.min_acceptance_rate < 1.0:
-            raise ConfigError("min_acceptance_rate must be in [0, 1)")
-        if not 0.0 <= self.acceptance_ema_decay < 1.0:
-            raise ConfigError("acceptance_ema_decay must be in [0, 1)")
-        if self.probe_interval < 1 or (self.disable_by_batch_size or 0) < 0:
-            raise ConfigError("probe_interval must be >= 1 and disable_by_batch_size >= 0")
+        if (self.disable_by_batch_size or 0) < 0:
+            raise ConfigError("disable_by_batch_size must be >= 0")
         if (self.row_cost is not None and self.row_cost < 0) or (self.draft_cost is not None and self.draft_cost < 0):
             raise ConfigError("row_cost and draft_cost must be >= 0")
 
@@ -351,6 +336,14 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative config is not valid JSON: {exc}") from exc
         if not isinstance(value, dict):
             raise ConfigError("speculative config must be a JSON object / dict")
+        # Keys of the per-request acceptance EMA, which the per-kind acceptance replaced.
+        removed = sorted({"min_acceptance_rate", "acceptance_ema_decay", "probe_interval"} & set(value))
+        if removed:
+            raise ConfigError(
+                f"speculative config key(s) {removed} were removed with the per-request acceptance "
+                "EMA they tuned: acceptance is learned per kind of proposal, and the draft budget "
+                "takes only the drafts that pay (docs/speculative-decoding.md)"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -33,8 +32,7 @@ from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
 from fornax.layers.memory import malloc_stats, release_free_heap
 from fornax.models import DTYPES, LoadedModel
-from fornax.models.llama import KVCache
-from fornax.spec_decode.controller import TIER_STEP_COST, SpecController
+from fornax.spec_decode.controller import SpecController
 from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -60,7 +58,7 @@ class EngineCore:
         dtype = DTYPES[config.dtype]
         cache = config.cache
         max_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
-        block_bytes = KVCache.bytes_per_block(loaded.config, cache.block_size, dtype, cache.kv_cache_dtype)
+        block_bytes = loaded.kv_cache_bytes_per_block(cache.block_size, dtype, cache.kv_cache_dtype)
         budget = cache.kv_cache_memory
         if budget is None:  # "auto"
             per_token = block_bytes // cache.block_size
@@ -401,17 +399,12 @@ def _build_spec(
 ) -> SpecController | None:
     if config.speculative is None:
         return None
-    from fornax.spec_decode import TargetInfo, build_proposer
+    from fornax.spec_decode import TargetInfo
 
-    target = TargetInfo(loaded, DTYPES[config.dtype], num_blocks, config.cache.block_size, max_len, kernel)
-    # Quantized small steps (at most small_step_max_rows rows) are far cheaper per row than
-    # dense bf16 ones; drafts must not push a step over that limit. ("auto" on a model without
-    # quantized tensors leaves every step dense: no limit then.) When int8 x int8 takes the
-    # larger steps, crossing the limit costs a fixed step up only, which drafts may pay for.
-    model = loaded.model
-    row_limit = config.small_step_max_rows if model.has_quantized_small_steps() else 0
-    cliff = TIER_STEP_COST if model.has_int8_large_steps() else math.inf
-    return SpecController(config.speculative, build_proposer(config.speculative, target), row_limit, cliff)
+    assert config.small_step_max_rows is not None  # resolved as EngineConfig is built
+    dtype, block_size, rows = DTYPES[config.dtype], config.cache.block_size, config.small_step_max_rows
+    target = TargetInfo(loaded, dtype, num_blocks, block_size, max_len, kernel, small_step_max_rows=rows)
+    return SpecController.for_target(config.speculative, target)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

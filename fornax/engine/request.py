@@ -194,16 +194,13 @@ class RequestTimes:
 
 @dataclass
 class SpecStats:
-    """Speculative decoding per request: what was proposed and accepted, and the adaptive state."""
+    """Speculative decoding per request, as its outputs report it: what was verified and
+    accepted (the scheduler counts). What the draft budget learns per request is the
+    controller's own (spec_decode/controller.py)."""
 
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # drafts accepted
     num_steps: int = 0  # verification steps (each also yields one target-sampled token)
-    acceptance_ema: float = 1.0  # optimistic start: every request gets to try
-    paused_steps: int = 0  # steps to wait before probing again after a poor run
-    draft_kind: int = 0  # what this step's drafts rest on, for a KindedProposer (n-gram: matched length)
-    # This request's own geometric record per kind: [accepted drafts, rejections] (controller.py).
-    kind_counts: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:

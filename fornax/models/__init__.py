@@ -16,7 +16,7 @@ from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
 from fornax.layers.memory import release_free_heap
 from fornax.models.gemma3 import Gemma3ForCausalLM
-from fornax.models.llama import LlamaForCausalLM
+from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
 
@@ -42,6 +42,11 @@ class LoadedModel:
     config: ModelConfig
     resolved: ResolvedModel
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """What one paged KV-cache block of `block_size` tokens takes, over every layer: what
+        the engine sizes its cache by."""
+        return KVCache.bytes_per_block(self.config, block_size, dtype, kv_cache_dtype)
 
 
 def load_weights(

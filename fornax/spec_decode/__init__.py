@@ -45,9 +45,9 @@ class Proposer(Protocol):
 class KindedProposer(Proposer, Protocol):
     """A proposer cheap enough to be asked for full drafts before the step's drafts are
     budgeted, which says what kind of evidence each proposal rests on (n-gram: the length of
-    the matched tail). Acceptance differs by kind far more than by request (an n-gram matched
-    on one token is accepted ~15% of the time, one matched on four 60-85%), so the controller
-    learns it per kind and budgets each proposal by its own kind's rate."""
+    the matched tail; never 0, the kind of every proposal of a proposer without kinds).
+    Acceptance differs by kind far more than by request (docs/speculative-decoding.md), so
+    the controller budgets each proposal by its own kind's rate."""
 
     def propose_with_kinds(
         self, requests: list[Request], num_tokens: list[int]
@@ -64,6 +64,7 @@ class TargetInfo:
     block_size: int
     max_model_len: int
     attention_kernel: object | None = None  # the target's native paged-attention kernel, if loaded
+    small_step_max_rows: int = 0  # the engine's limit for small-step weight forms (EngineConfig)
 
 
 ProposerFactory = Callable[[SpeculativeConfig, TargetInfo], Proposer]

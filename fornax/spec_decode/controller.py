@@ -1,24 +1,28 @@
-"""Which requests speculate this step, and how far: the adaptive rule around a Proposer.
+"""Which requests speculate this step, and how far: one acceptance model and one planner
+around a Proposer.
 
-Speculation must never make decoding much slower. Drafts that are rejected cost verify
-work (and draft-model work) for nothing, so:
+Speculation must never make decoding much slower. Drafts that are rejected cost verify work
+(and a draft model's forwards) for nothing, so:
 
-* each request keeps an EMA of its acceptance rate (accepted / proposed per step); below
-  `min_acceptance_rate` it stops speculating and is re-probed after `probe_interval` steps
-  (input-grounded stretches come and go within one answer);
-* a step with more than `disable_by_batch_size` running requests speculates for nobody;
-* below that, drafts are budgeted per step (`plan_drafts`): on a CPU each verified row is
-  real matmul work (and a draft model's guess costs a draft forward), so a draft is taken
-  only while its expected gain (the chance it is accepted, from the request's EMA) raises
-  the step's expected tokens per unit of cost. One stream gets long drafts; eight streams
-  share a step whose fixed cost is already amortised, and get few or none.
+* a step with more than `disable_by_batch_size` running requests speculates for nobody:
+  past a few streams the step is compute-bound and the extra rows cost more than they bring;
+* acceptance is learned per kind of proposal over all requests (`AcceptanceByKind`), and
+  each request's own record of a kind shrinks its kind's rate towards what that request has
+  shown. A `KindedProposer` (n-gram lookup) says what each proposal rests on (the length of
+  the matched tail), and acceptance differs far more between kinds than between requests;
+  any other proposer (a draft model) has one kind. No request is ever paused outright: a
+  kind that stops being drafted drifts back towards the prior and is tried again, where
+  pausing a request after a poor run lost the good matches that came next;
+* the planner (`plan_by_step_costs`) gives a step the drafts, likeliest first, that maximise
+  its expected tokens per second, on the whole-step costs by rows this engine has timed
+  (`StepCosts`), and on a fitted line (`row_cost`, the kernel tiers) where it has none. One
+  stream gets long drafts; eight share a step whose fixed cost is already amortised, and get
+  few or none.
 
-A cheap proposer that says what each proposal rests on (a `KindedProposer`: n-gram lookup
-and its matched length) is asked first, and each proposal is budgeted by the acceptance
-learned for its kind over all requests (`AcceptanceByKind`) instead of by the request's EMA:
-measured on the spec benchmark's prompts, an n-gram matched on one token was accepted
-14-18% of the time and one matched on two to four 53-86%, in open-ended and input-grounded
-answers alike. Pausing a request after a poor run lost the good matches that came next.
+The measurements behind each choice and constant are in docs/speculative-decoding.md. The
+per-request state is the controller's own (`_RequestRecord`, by request id): it is freed
+when the request finishes, and Request carries only the drafts of the next step and the
+counts its outputs report (SpecStats).
 """
 
 from __future__ import annotations
@@ -28,23 +32,25 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from fornax.config import SpeculativeConfig
 from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from fornax.engine.request import Request, RequestStatus
-from fornax.spec_decode import KindedProposer, Proposer
+from fornax.spec_decode import KindedProposer, Proposer, TargetInfo, build_proposer
 
-# One more verified row, relative to a decode step's fixed cost (measured: config.py).
+# One more verified row, relative to a decode step's fixed cost: the fitted line's slope.
+# Dense (and int8 x int8) steps read the weights once for every row; quantized small steps
+# are compute-bound past one row, so a row costs more of their (cheaper) step.
 DENSE_ROW_COST = 0.12
 QUANTIZED_ROW_COST = 0.5
-# No speculation in a step with more running requests than this (measured: config.py).
+# No speculation in a step with more running requests than this: past it, drafted steps
+# were measured slower than plain ones (the dense bf16 kernel's rows are nearly free up to
+# four, then step up; quantized steps are compute-bound past one row).
 DENSE_BATCH_LIMIT = 2
 QUANTIZED_BATCH_LIMIT = 4
-# A lone request's step with int4 one-row steps and int8 x int8 past them (make run's
-# weights): timed whole engine steps by rows (4 x 16 prompts x 96 tokens, n-gram drafting
-# always; 2026-12-04): 5.2 ms at one row, 7.1 at two, 8.8 at five, 11.5 at nine. Past one
-# row the slope is the dense row cost (0.12 of the fixed cost); the step from one row to two
-# adds 0.3 more, once: the int8 weights are twice the int4 bytes.
+# What crossing from int4 one-row steps to int8 x int8 ones adds to a step, once (the int8
+# weights are twice the int4 bytes); past it, each row costs the dense row cost.
 TIER_STEP_COST = 0.3
 # Per-kind acceptance forgets with this factor per observation, and per skipped proposal,
 # so a kind that stopped paying drifts back towards the prior and is tried again (for
@@ -52,6 +58,27 @@ TIER_STEP_COST = 0.3
 KIND_DECAY = 0.98
 # A request's own record of a kind counts against its kind's global rate as this many trials.
 REQUEST_PRIOR = 2.0
+# The one kind of a proposer that does not tell kinds apart (a draft model).
+SINGLE_KIND = 0
+
+
+@dataclass(frozen=True)
+class TargetSteps:
+    """What the target's decode steps run on, as far as the draft budget cares."""
+
+    # Steps of at most this many rows run quantized small-step kernels (0: no such steps;
+    # every step reads dense weights).
+    quantized_max_rows: int = 0
+    # The steps past that limit run int8 x int8 (else the dense weights, several times dearer).
+    int8_large_steps: bool = False
+
+    @classmethod
+    def of(cls, target: TargetInfo) -> TargetSteps:
+        """From the loaded target's weight forms ("auto" on a model without quantized tensors
+        leaves every step dense: no limit then)."""
+        model = target.loaded.model
+        quantized = target.small_step_max_rows if model.has_quantized_small_steps() else 0
+        return cls(quantized, model.has_int8_large_steps())
 
 
 def add_verify(counts: list[float], drafts: int, accepted: int, decay: float = 1.0) -> None:
@@ -96,6 +123,15 @@ class AcceptanceByKind:
         return (REQUEST_PRIOR * self.rate(kind) + accepted) / (REQUEST_PRIOR + accepted + rejected)
 
 
+@dataclass
+class _RequestRecord:
+    """What the controller remembers of one live request that has drafted."""
+
+    # Its own geometric record per kind: [accepted drafts, rejections] (AcceptanceByKind.rate_for).
+    kind_counts: dict[int, list[float]] = field(default_factory=dict)
+    draft_kind: int = SINGLE_KIND  # what this step's drafts rest on
+
+
 class StepCosts:
     """Seconds of whole decode-only engine steps, by their number of rows, as this engine
     measured them: what the draft budget plans on where it has them (see _plan).
@@ -133,24 +169,32 @@ class StepCosts:
 
 
 class SpecController:
-    def __init__(
-        self, config: SpeculativeConfig, proposer: Proposer, row_limit: int = 0, cliff: float = math.inf
-    ) -> None:
-        """row_limit: the most rows a step may have and still run the quantized small-step
-        kernels (0: no such limit, a dense target); `cliff`: what crossing it adds to a step
-        (inf: never cross; see plan_drafts). The default row cost follows the target's
-        weights (config.py): past a finite cliff the larger steps' kernels are dense-like."""
-        self.config, self.proposer, self.row_limit, self.cliff = config, proposer, row_limit, cliff
-        default_row_cost = QUANTIZED_ROW_COST if row_limit and math.isinf(cliff) else DENSE_ROW_COST
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, steps: TargetSteps | None = None) -> None:
+        """`steps`: what the target's steps run on (None: dense weights throughout). It sets
+        the fitted line's defaults and where a step's drafts stop or pay a step up: a step of
+        at most `row_limit` rows runs the quantized small-step kernels, and crossing that
+        limit adds `cliff` (inf: never cross; see _prior_units)."""
+        steps = TargetSteps() if steps is None else steps
+        self.config, self.proposer = config, proposer
+        self.row_limit = steps.quantized_max_rows
+        self.cliff = TIER_STEP_COST if steps.int8_large_steps else math.inf
+        # Past a finite cliff the larger steps' kernels are dense-like: the dense row cost.
+        default_row_cost = QUANTIZED_ROW_COST if self.row_limit and math.isinf(self.cliff) else DENSE_ROW_COST
         self.row_cost = default_row_cost if config.row_cost is None else config.row_cost
-        default_limit = QUANTIZED_BATCH_LIMIT if row_limit else DENSE_BATCH_LIMIT
+        default_limit = QUANTIZED_BATCH_LIMIT if self.row_limit else DENSE_BATCH_LIMIT
         limit = config.disable_by_batch_size
         self.batch_limit = default_limit if limit is None else limit
         # Measured step costs replace the fitted line unless the caller fixed row_cost.
         self.step_costs = StepCosts() if config.row_cost is None else None
         # Checked once: isinstance against a runtime Protocol walks its attributes (~25 us).
         self.kinded = proposer if isinstance(proposer, KindedProposer) else None
-        self.kinds = AcceptanceByKind() if self.kinded is not None else None
+        self.kinds = AcceptanceByKind()
+        self.records: dict[str, _RequestRecord] = {}  # request id -> its record, while it lives
+
+    @classmethod
+    def for_target(cls, config: SpeculativeConfig, target: TargetInfo) -> SpecController:
+        """The controller and its proposer for the engine `target` describes."""
+        return cls(config, build_proposer(config, target), TargetSteps.of(target))
 
     def num_drafts(self, request: Request) -> int:
         """How many drafts this request may take now (0: it does not speculate this step)."""
@@ -171,75 +215,78 @@ class SpecController:
         candidates: list[Request] = []
         max_counts: list[int] = []
         for request in running:
-            if request.status != RequestStatus.RUNNING:
-                continue
-            if request.spec.paused_steps > 0:
-                request.spec.paused_steps -= 1
-                continue
-            k = self.num_drafts(request)
+            k = self.num_drafts(request) if request.status == RequestStatus.RUNNING else 0
             if k > 0:
                 candidates.append(request)
                 max_counts.append(k)
+        lookups: list[list[int]] | None = None
+        if self.kinded is not None and candidates:
+            # A lookup is nearly free: find each request's full drafts and their kind first,
+            # then budget each proposal by its own kind's rate.
+            found = [
+                (request, drafts, kind)
+                for request, (drafts, kind) in zip(candidates, self.kinded.propose_with_kinds(candidates, max_counts))
+                if drafts
+            ]
+            candidates = [request for request, _, _ in found]
+            lookups = [drafts for _, drafts, _ in found]
+            kinds = [kind for _, _, kind in found]
+            max_counts = [len(drafts) for drafts in lookups]
+        else:
+            kinds = [SINGLE_KIND] * len(candidates)
         if not candidates:
             return
-        if self.kinds is not None:
-            self._propose_by_kind(candidates, max_counts, len(running))
-            return
+        rates = [self.kinds.rate_for(self._counts_of(r), kind) for r, kind in zip(candidates, kinds)]
         draft_cost = self.config.draft_cost
         unit = self.row_cost + (self.proposer.cost_per_token if draft_cost is None else draft_cost)
-        rates = [r.spec.acceptance_ema for r in candidates]
         # An explicit draft_cost replaces the proposer's own estimates, catch-up included.
         setup = None
         if draft_cost is None:
             setup = [self._amortized_setup(r, a) for r, a in zip(candidates, rates)]
         counts = self._plan(rates, max_counts, len(running), unit, setup)
-        chosen = [(r, k) for r, k in zip(candidates, counts) if k > 0]
-        if not chosen:
+        drafted = [i for i, k in enumerate(counts) if k > 0]
+        for i, k in enumerate(counts):
+            if k == 0:
+                self.kinds.skipped(kinds[i])
+        if not drafted:
             return
-        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
-        for (request, _), drafts in zip(chosen, proposals):
+        if lookups is None:  # a draft model guesses only what was budgeted: each guess is a forward
+            guesses = self.proposer.propose([candidates[i] for i in drafted], [counts[i] for i in drafted])
+        else:
+            guesses = [lookups[i][: counts[i]] for i in drafted]
+        for i, drafts in zip(drafted, guesses):
+            request = candidates[i]
             request.spec_token_ids = drafts
+            record = self.records.get(request.request_id)
+            if record is None:
+                record = self.records[request.request_id] = _RequestRecord()
+            record.draft_kind = kinds[i]
 
-    def _propose_by_kind(self, candidates: list[Request], max_counts: list[int], num_rows: int) -> None:
-        """Look up full drafts first (nearly free), then budget each by its kind's rate."""
-        assert self.kinds is not None and self.kinded is not None
-        proposals = self.kinded.propose_with_kinds(candidates, max_counts)
-        found = [(r, drafts, kind) for r, (drafts, kind) in zip(candidates, proposals) if drafts]
-        if not found:
-            return
-        rates = [self.kinds.rate_for(r.spec.kind_counts, kind) for r, _, kind in found]
-        unit = self.row_cost + (self.config.draft_cost or 0.0)
-        counts = self._plan(rates, [len(d) for _, d, _ in found], num_rows, unit, None)
-        for (request, drafts, kind), k in zip(found, counts):
-            if k > 0:
-                request.spec_token_ids = drafts[:k]
-                request.spec.draft_kind = kind
-            else:
-                self.kinds.skipped(kind)
+    def _counts_of(self, request: Request) -> dict[int, list[float]]:
+        record = self.records.get(request.request_id)
+        return record.kind_counts if record is not None else {}
 
     def _plan(
         self, rates: list[float], max_counts: list[int], num_rows: int, unit: float, setup: list[float] | None
     ) -> list[int]:
         """Drafts per candidate. Costs come from the steps this engine has timed where it has
-        them, and from the fitted line (`row_cost`, the cliff) scaled to them where not.
+        them, and from the fitted line (`row_cost`, the cliff) scaled to them where not; with
+        no timed step of `num_rows` rows yet, from the line alone, in its own units.
 
         The line is only a prior: the native kernels' cost by rows is a staircase (dense
-        bf16 takes one to four rows for nearly the price of one, then steps up by half), and
-        a verify step also pays the sampler's and the bookkeeping's share. A row count the
-        prior makes look good gets tried, timed, and from then on planned on as measured.
+        bf16 takes a few rows for nearly the price of one, then steps up), and a verify step
+        also pays the sampler's and the bookkeeping's share. A row count the prior makes
+        look good gets tried, timed, and from then on planned on as measured.
         """
-        base = self.step_costs.seconds_at(num_rows) if self.step_costs is not None else None
-        if base is None:
-            return plan_drafts(
-                rates, max_counts, num_rows, unit, self.row_cost, setup, self.row_limit, self.cliff
-            )
-        assert self.step_costs is not None
-        scale = base / self._prior_units(num_rows, num_rows)  # seconds per prior unit, now
         costs = self.step_costs
+        base = costs.seconds_at(num_rows) if costs is not None else None
+        measured = costs if base is not None else None
+        # Seconds per unit of the line, now (1: the plan stays in the line's units).
+        scale = 1.0 if base is None else base / self._prior_units(num_rows, num_rows)
 
         def seconds(rows: int) -> float:
-            measured = costs.seconds_at(rows)
-            return measured if measured is not None else self._prior_units(num_rows, rows) * scale
+            timed = measured.seconds_at(rows) if measured is not None else None
+            return timed if timed is not None else self._prior_units(num_rows, rows) * scale
 
         fits = self.row_limit > 0 and num_rows <= self.row_limit
         room = self.row_limit - num_rows if fits and math.isinf(self.cliff) else -1
@@ -249,7 +296,8 @@ class SpecController:
         return plan_by_step_costs(rates, max_counts, num_rows, seconds, per_draft, setup_seconds, room)
 
     def _prior_units(self, num_rows: int, rows: int) -> float:
-        """The fitted line: a step of `rows` rows, when the step without drafts has num_rows."""
+        """The fitted line: a step of `rows` rows, when the step without drafts has num_rows,
+        in units of a decode step's fixed cost (reading the weights once)."""
         units = 1.0 + self.row_cost * rows
         if self.row_limit and num_rows <= self.row_limit < rows and not math.isinf(self.cliff):
             units += self.cliff
@@ -277,98 +325,27 @@ class SpecController:
         return cost / steps_left
 
     def observe(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Update each verifying request's acceptance EMA; pause the ones that do not pay."""
-        decay, floor = self.config.acceptance_ema_decay, self.config.min_acceptance_rate
+        """Learn from each verify, for its kind over all requests and in the request's own
+        record; forget the requests this step finished."""
         for item in sched.scheduled:
-            tokens = result.spec_sampled.get(item.request.request_id)
+            request = item.request
+            rid = request.request_id
+            record = self.records.pop(rid, None) if request.is_finished else self.records.get(rid)
+            tokens = result.spec_sampled.get(rid)
             if tokens is None or not item.spec_token_ids:
                 continue
-            spec = item.request.spec
-            if self.kinds is not None:  # budgeted by kind: no per-request pause
-                drafts, accepted = len(item.spec_token_ids), len(tokens) - 1
-                self.kinds.observe(spec.draft_kind, drafts, accepted)
-                add_verify(spec.kind_counts.setdefault(spec.draft_kind, [0.0, 0.0]), drafts, accepted)
-                continue
-            rate = (len(tokens) - 1) / len(item.spec_token_ids)
-            spec.acceptance_ema = decay * spec.acceptance_ema + (1.0 - decay) * rate
-            if spec.acceptance_ema < floor:
-                spec.paused_steps = self.config.probe_interval
-                # Restart at the floor: one good probe resumes speculation, one bad re-pauses.
-                spec.acceptance_ema = floor
+            kind = record.draft_kind if record is not None else SINGLE_KIND
+            drafts, accepted = len(item.spec_token_ids), len(tokens) - 1
+            self.kinds.observe(kind, drafts, accepted)
+            if record is not None and not request.is_finished:
+                add_verify(record.kind_counts.setdefault(kind, [0.0, 0.0]), drafts, accepted)
 
     def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget finished (and aborted) requests, here and in the proposer."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self.records.pop(rid, None)
         self.proposer.drop(request_ids)
-
-
-def plan_drafts(
-    rates: list[float],
-    max_counts: list[int],
-    num_rows: int,
-    unit: float,
-    row_cost: float,
-    setup: list[float] | None = None,
-    row_limit: int = 0,
-    cliff: float = math.inf,
-) -> list[int]:
-    """How many drafts each request gets: greedy on expected gain per unit of cost.
-
-    Costs are in units of a decode step's fixed cost (reading the weights once), so a plain
-    step of `num_rows` rows costs 1 + row_cost * num_rows and yields num_rows tokens. Draft j
-    of a request with per-token acceptance a is accepted with probability a**j and costs
-    `unit`. Taking drafts best first while each one's gain/cost beats the step's current
-    tokens/cost maximises the expected tokens per unit of cost. A request's first draft also
-    carries its `setup` (e.g. a draft model's catch-up, amortised by the caller).
-
-    A step of at most `row_limit` rows runs the quantized small-step kernels and a larger one
-    other kernels, dearer per step at that size by `cliff`: a jump the linear cost does not
-    see. An infinite cliff (dense weights past the limit, several times dearer) is never
-    crossed; a finite one (int8 x int8 past int4's one row) is crossed when the drafts that
-    cross it pay for it too: both plans are made and the better tokens per cost wins.
-    """
-    cost = 1.0 + row_cost * num_rows
-    fits = row_limit > 0 and num_rows <= row_limit
-    below = _greedy(
-        rates, max_counts, cost, float(num_rows), unit, setup, row_limit - num_rows if fits else -1
-    )
-    if not fits or math.isinf(cliff):
-        return below[0]
-    across = _greedy(rates, max_counts, cost + cliff, float(num_rows), unit, setup, -1)
-    if sum(across[0]) <= row_limit - num_rows:
-        return below[0]  # the plan across never actually crosses: the one below is it, costed right
-    best = max((below, across), key=lambda plan: plan[1] / plan[2])
-    return best[0]
-
-
-def _greedy(
-    rates: list[float],
-    max_counts: list[int],
-    cost: float,
-    tokens: float,
-    unit: float,
-    setup: list[float] | None,
-    room: int,
-) -> tuple[list[int], float, float]:
-    """plan_drafts' greedy pass from a step of `cost` and `tokens`, with at most `room` drafts
-    (-1: unbounded). Returns the counts and the plan's expected tokens and cost."""
-    counts = [0] * len(rates)
-    rates = [min(max(a, 0.0), 1.0) for a in rates]
-    heap = [(-a, i, 1) for i, a in enumerate(rates) if max_counts[i] > 0]
-    heapq.heapify(heap)
-    while heap and room != 0:
-        neg_gain, i, j = heapq.heappop(heap)
-        gain = -neg_gain
-        extra = setup[i] if setup is not None and j == 1 else 0.0
-        if gain * cost <= (unit + extra) * tokens:
-            if extra:
-                continue  # this request's setup does not pay; cheaper ones still may
-            break  # every draft left gains less: none pays
-        counts[i] = j
-        tokens += gain
-        cost += unit + extra
-        room -= 1 if room > 0 else 0
-        if j < max_counts[i]:
-            heapq.heappush(heap, (-(gain * rates[i]), i, j + 1))
-    return counts, tokens, cost
 
 
 def plan_by_step_costs(

@@ -82,7 +82,7 @@ def test_speculative_verification_events(tmp_path):
     """Each verifying step reports its drafts, what was accepted, and the blocks the rollback
     gave back (4-token blocks, so rejected drafts often leave a whole block behind)."""
     build_tiny_model("llama", tmp_path)
-    always = {"min_acceptance_rate": 0.0, "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
+    always = {"disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, **always}
     llm = LLM(str(tmp_path), dtype="float32", num_blocks=128, block_size=4, speculative_config=spec, progress=False)
     core = llm.engine

@@ -32,8 +32,8 @@ def models(tmp_path_factory):
     return target, draft
 
 
-# Speculate on every decode: no pauses, no batch limit, drafts priced at nothing.
-ALWAYS = {"min_acceptance_rate": 0.0, "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
+# Speculate on every decode: no batch limit, drafts priced at nothing (so every one pays).
+ALWAYS = {"disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
 
 
 def _llm(target, spec: dict | None = None, **kw) -> LLM:
@@ -188,6 +188,30 @@ def test_no_leaks_with_preemption_and_aborts(models):
     draft.kv.check_integrity()
     assert draft.kv.num_free_blocks == draft.kv.num_blocks and not draft.seqs
     assert all(s.status != RequestStatus.RUNNING for s in engine.scheduler.requests.values())
+
+
+@pytest.mark.parametrize("name", ["ngram", "self-layers"])
+def test_per_request_state_is_the_controllers_and_goes_when_requests_finish(models, name):
+    """What the draft budget learns per request lives on the controller while the request
+    runs, and goes when it finishes or is aborted: round after round leaves nothing behind."""
+    spec = _llm(models[0], _spec_config(name, models[1]))
+    engine, prompts = spec.engine, _prompts(spec.get_tokenizer())
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    most = 0
+    for round_no in range(3):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{round_no}-{i}", prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            most = max(most, len(engine.spec.records))
+            if steps == 6:
+                engine.abort_request(f"{round_no}-1")  # mid-flight, with drafts behind it
+        assert set(engine.spec.records) <= {f"{round_no}-1"}  # finished ones are gone at once
+        engine.step()  # an aborted request's id reaches the controller with the next schedule
+        assert engine.spec.records == {}
+    assert most > 0 and engine.scheduler.spec_num_draft_tokens_total > 0
 
 
 def test_draft_budget_follows_the_targets_weights(models):

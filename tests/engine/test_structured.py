@@ -138,8 +138,8 @@ def test_preemption_keeps_the_grammar_state(model_dir, llm):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_matches_plain_constrained_output(model_dir, llm, method, tmp_path):
-    spec = {"method": method, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
-            "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}  # fmt: skip
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0, "row_cost": 0.0,
+            "draft_cost": 0.0}  # fmt: skip
     if method == "draft":
         build_tiny_model("llama", tmp_path, seed=0)  # same weights: most drafts are right
         spec["model"] = str(tmp_path)

@@ -102,7 +102,7 @@ def test_speculative_verification_rows(tiny_dir):
     arch, path = tiny_dir
     if arch == "qwen3":
         pytest.skip("not covered by the C step")
-    always = {"min_acceptance_rate": 0.0, "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
+    always = {"disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, **always}
     fused, op_by_op = _pair(path, dtype="float32", quantization="int4", speculative_config=spec)
     calls = _count_calls(fused)

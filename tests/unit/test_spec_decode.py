@@ -15,7 +15,7 @@ from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from fornax.engine.request import Request, SamplingParams, SamplingParamsError
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.scheduler import Scheduler
-from fornax.spec_decode.controller import SpecController
+from fornax.spec_decode.controller import SINGLE_KIND, SpecController, TargetSteps
 from fornax.spec_decode.ngram import NgramProposer, lookup
 from tests.unit.test_scheduler import FakeRunner, make, req
 
@@ -50,6 +50,16 @@ def test_config_from_dict_and_json():
 def test_config_errors_are_clear(value, message):
     with pytest.raises(ConfigError, match=message):
         SpeculativeConfig.from_dict(value)
+
+
+@pytest.mark.parametrize("key", ["min_acceptance_rate", "acceptance_ema_decay", "probe_interval"])
+def test_a_removed_knob_is_an_error_that_names_it(key):
+    """The per-request acceptance EMA's knobs: given by a user (a dict or --speculative-config
+    JSON), each is refused by name, never silently ignored."""
+    for value in ({"method": "ngram", key: 1}, '{"method": "ngram", "%s": 1}' % key):
+        with pytest.raises(ConfigError, match=rf"\['{key}'\] were removed") as info:
+            SpeculativeConfig.from_dict(value)
+        assert "unknown" not in str(info.value)
 
 
 def test_per_request_num_speculative_tokens_is_validated():
@@ -264,19 +274,24 @@ def _spec_steps(
     return out_steps
 
 
-def test_adaptive_rule_pauses_a_request_with_poor_acceptance_then_probes_again():
-    cfg = SpeculativeConfig(
-        method="ngram", num_speculative_tokens=2, probe_interval=3, min_acceptance_rate=0.3
-    )
+def test_a_proposer_without_kinds_stops_drafting_where_drafts_fail_and_tries_again_later():
+    """A draft model's proposals are one kind: its rate is learned over all requests and
+    shrunk towards the request's own record. Failing drafts stop being budgeted (no pause
+    counter), and the unused chances let the rate drift back until the request is tried again."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=2, row_cost=0.12)
     sched, runner = make_spec(block_size=4)
     controller = SpecController(cfg, RepeatProposer())
-    assert controller.kinds is None  # budgeted per request, by its EMA
-    sched.add_request(req("a", [7, 8, 7, 8, 7, 8, 7], max_tokens=40))  # the fake model never repeats
-    spec_steps = _spec_steps(controller, sched, runner, 16)
+    assert controller.kinded is None  # one kind: the budget asks for exactly what it plans
+    sched.add_request(req("a", [7, 8, 7, 8, 7, 8, 7], max_tokens=80))  # the fake model does not repeat
+    spec_steps = _spec_steps(controller, sched, runner, 20)  # (for its first 30 tokens)
     assert spec_steps[0] is False  # the prefill step
-    # The EMA starts at 1 and halves with each rejected step: under 0.3 after two. Then the
-    # request waits 3 steps, is probed once (rejected again), waits 3, ...
-    assert spec_steps[1:] == [True, True] + [False, False, False, True] * 3 + [False], spec_steps
+    first_off = spec_steps.index(False, 1)
+    assert first_off > 1 and all(spec_steps[1:first_off]) and not any(spec_steps[first_off:]), spec_steps
+    record = controller.records["a"]  # the request's own record lives on the controller
+    assert record.kind_counts[SINGLE_KIND] == [0.0, first_off - 1]  # every verify: a rejection
+    assert controller.kinds.rate_for(record.kind_counts, SINGLE_KIND) < controller.kinds.rate(SINGLE_KIND)
+    # Each skipped chance fades the evidence over all requests: the request is tried again.
+    assert True in _spec_steps(controller, sched, runner, 20)
 
 
 def _decoding(request_id: str, tokens: list[int]) -> Request:
@@ -292,13 +307,14 @@ def test_ngram_drafts_are_budgeted_by_the_kind_of_match():
     from types import SimpleNamespace
 
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    controller = SpecController(cfg, NgramProposer(cfg), row_limit=1, cliff=0.3)  # make run's shape
-    assert controller.kinds is not None
+    make_run = TargetSteps(quantized_max_rows=1, int8_large_steps=True)  # int4 one row, then int8 x int8
+    controller = SpecController(cfg, NgramProposer(cfg), make_run)
+    assert controller.kinded is not None
     long_match = _decoding("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4])  # tail matched on 4 tokens
     short_match = _decoding("b", [9, 5, 6, 7, 8, 5])  # on 1 token
     controller.propose([long_match])
     # The prior (0.5) pays for two drafts across the cliff; a third would gain 0.125 for 0.12.
-    assert long_match.spec_token_ids == [5, 6] and long_match.spec.draft_kind == 4
+    assert long_match.spec_token_ids == [5, 6] and controller.records["a"].draft_kind == 4
     # The target rejects the first draft again and again: kind 4 learns it and stops.
     for _ in range(8):
         controller.propose([long_match])
@@ -307,11 +323,11 @@ def test_ngram_drafts_are_budgeted_by_the_kind_of_match():
         item = SimpleNamespace(request=long_match, spec_token_ids=long_match.spec_token_ids)
         controller.observe(SimpleNamespace(scheduled=[item]), SimpleNamespace(spec_sampled={"a": [99]}))
     assert long_match.spec_token_ids == [] and controller.kinds.rate(4) < 0.4  # one failure does it here
-    assert long_match.spec.paused_steps == 0  # not paused: a good match is drafted at once
+    assert controller.records["a"].kind_counts[4][1] > 0  # its own record holds the failures
     controller.kinds.counts[1] = [40.0, 2.0]  # one-token matches have been accepted 95% of the time
     controller.propose([long_match, short_match])
     assert long_match.spec_token_ids == [] and short_match.spec_token_ids == [6, 7, 8]
-    assert short_match.spec.draft_kind == 1
+    assert controller.records["b"].draft_kind == 1
 
 
 def test_acceptance_by_kind_learns_and_forgets():
@@ -347,7 +363,7 @@ def test_no_speculation_in_large_batches():
     # Unset, the limit follows the target's weights: dense 2, quantized small steps 4.
     ngram = SpeculativeConfig(method="ngram")
     assert SpecController(ngram, NgramProposer(ngram)).batch_limit == 2
-    assert SpecController(ngram, NgramProposer(ngram), row_limit=1, cliff=0.3).batch_limit == 4
+    assert SpecController(ngram, NgramProposer(ngram), TargetSteps(1, int8_large_steps=True)).batch_limit == 4
 
 
 def test_budget_on_measured_step_costs_sees_the_staircase():
@@ -473,45 +489,53 @@ def test_greedy_verification_takes_the_argmax_and_stops_at_the_first_mismatch():
     assert verify_drafts(logits, [pen], [[0, 0]], {}).tokens == [[0, 2]]
 
 
-def test_draft_budget_gives_one_stream_long_drafts_and_a_big_batch_few():
-    from fornax.spec_decode.controller import plan_drafts
+def _plan_on_the_line(
+    rates: list[float], max_counts: list[int], num_rows: int, unit: float, row_cost: float,
+    steps: TargetSteps | None = None,
+) -> list[int]:
+    """The controller's plan before it has timed a step: on the fitted line, in units of a
+    decode step's fixed cost, a row costing `row_cost` and a draft `unit` in all."""
+    cfg = SpeculativeConfig(method="ngram", row_cost=row_cost, draft_cost=unit - row_cost)
+    return SpecController(cfg, NgramProposer(cfg), steps)._plan(rates, max_counts, num_rows, unit, None)
 
+
+def test_draft_budget_gives_one_stream_long_drafts_and_a_big_batch_few():
     # Free drafts (n-gram on a GPU-like cost model): everyone gets everything.
-    assert plan_drafts([0.1, 0.9], [4, 4], 2, unit=0.0, row_cost=0.0) == [4, 4]
+    assert _plan_on_the_line([0.1, 0.9], [4, 4], 2, unit=0.0, row_cost=0.0) == [4, 4]
     # One stream, good acceptance, rows cost 8% of a step: long drafts.
-    assert plan_drafts([0.8], [4], 1, unit=0.08, row_cost=0.08) == [4]
+    assert _plan_on_the_line([0.8], [4], 1, unit=0.08, row_cost=0.08) == [4]
     # Poor acceptance: nothing pays.
-    assert plan_drafts([0.05], [4], 1, unit=0.5, row_cost=0.08) == [0]
+    assert _plan_on_the_line([0.05], [4], 1, unit=0.5, row_cost=0.08) == [0]
     # Eight streams: the step's fixed cost is shared, so only the likeliest drafts pay.
-    counts = plan_drafts([0.9, 0.6, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3], [4] * 8, 8, unit=0.08, row_cost=0.08)
+    counts = _plan_on_the_line([0.9, 0.6, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3], [4] * 8, 8, unit=0.08, row_cost=0.08)
     assert counts[0] >= counts[1] >= counts[2] and sum(counts) < 16
     # An expensive draft model in a batch of eight: no speculation at all.
-    assert plan_drafts([0.8] * 8, [3] * 8, 8, unit=0.45, row_cost=0.08) == [0] * 8
+    assert _plan_on_the_line([0.8] * 8, [3] * 8, 8, unit=0.45, row_cost=0.08) == [0] * 8
 
 
 def test_draft_budget_keeps_a_small_step_under_the_row_limit():
-    from fornax.spec_decode.controller import plan_drafts
-
+    below = TargetSteps(quantized_max_rows=24)  # dense weights past 24 rows: never crossed
     # Free drafts, 8 streams, a limit of 24 rows: 16 drafts, the likeliest first.
-    counts = plan_drafts([0.9, 0.5] + [0.2] * 6, [4] * 8, 8, unit=0.0, row_cost=0.0, row_limit=24)
+    counts = _plan_on_the_line([0.9, 0.5] + [0.2] * 6, [4] * 8, 8, unit=0.0, row_cost=0.0, steps=below)
     assert sum(counts) == 16 and counts[0] == 4 and counts[1] == 4
     # At the limit already: none; over it (a dense step anyway): the limit does not apply.
-    assert plan_drafts([0.9] * 24, [3] * 24, 24, unit=0.0, row_cost=0.0, row_limit=24) == [0] * 24
-    assert plan_drafts([0.9] * 30, [3] * 30, 30, unit=0.0, row_cost=0.0, row_limit=24) == [3] * 30
+    assert _plan_on_the_line([0.9] * 24, [3] * 24, 24, unit=0.0, row_cost=0.0, steps=below) == [0] * 24
+    assert _plan_on_the_line([0.9] * 30, [3] * 30, 30, unit=0.0, row_cost=0.0, steps=below) == [3] * 30
     # No limit given: unchanged.
-    assert plan_drafts([0.9] * 8, [4] * 8, 8, unit=0.0, row_cost=0.0) == [4] * 8
+    assert _plan_on_the_line([0.9] * 8, [4] * 8, 8, unit=0.0, row_cost=0.0) == [4] * 8
 
 
 def test_draft_budget_crosses_a_finite_cliff_only_when_the_drafts_pay_for_it():
-    from fornax.spec_decode.controller import plan_drafts
-
-    # One stream on int4 one-row steps, int8 x int8 past them (0.3 more): likely drafts pay
-    # for the step up, unlikely ones do not, though each would pay for its own row.
-    assert plan_drafts([0.85], [4], 1, unit=0.12, row_cost=0.12, row_limit=1, cliff=0.3) == [4]
-    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12, row_limit=1, cliff=0.3) == [0]
-    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12) != [0]
-    # An infinite cliff is never crossed; room below it is used without paying it.
-    assert plan_drafts([0.99], [4], 1, unit=0.12, row_cost=0.12, row_limit=1) == [0]
-    assert plan_drafts([0.3], [4], 1, unit=0.12, row_cost=0.12, row_limit=3, cliff=0.3) == [1]
+    # One stream on int4 one-row steps, int8 x int8 past them (TIER_STEP_COST more): likely
+    # drafts pay for the step up, unlikely ones do not, though each would pay for its own row.
+    make_run = TargetSteps(quantized_max_rows=1, int8_large_steps=True)
+    assert _plan_on_the_line([0.85], [4], 1, unit=0.12, row_cost=0.12, steps=make_run) == [4]
+    assert _plan_on_the_line([0.3], [4], 1, unit=0.12, row_cost=0.12, steps=make_run) == [0]
+    assert _plan_on_the_line([0.3], [4], 1, unit=0.12, row_cost=0.12) != [0]
+    # An infinite cliff (dense weights past the limit) is never crossed; room below it is
+    # used without paying anything.
+    assert _plan_on_the_line([0.99], [4], 1, unit=0.12, row_cost=0.12, steps=TargetSteps(1)) == [0]
+    three = TargetSteps(quantized_max_rows=3, int8_large_steps=True)
+    assert _plan_on_the_line([0.3], [4], 1, unit=0.12, row_cost=0.12, steps=three) == [1]
     # Past the limit already: no cliff to pay.
-    assert plan_drafts([0.3], [4], 2, unit=0.12, row_cost=0.12, row_limit=1, cliff=5.0) != [0]
+    assert _plan_on_the_line([0.3], [4], 2, unit=0.12, row_cost=0.12, steps=make_run) != [0]
