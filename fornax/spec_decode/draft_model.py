@@ -27,8 +27,8 @@ from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.spec_decode import TargetInfo, register_proposer
 
 
-# A prompt token in a prefill chunk costs ~1/40 of a one-token decode step on this CPU
-# (769 prompt tokens took ~0.8 s where a decode step takes ~45 ms: benchmarks/spec_decode.py).
+# A prompt token in a prefill chunk costs ~1/40 of a one-token decode step: a chunk's rows
+# share one read of the weights (benchmarks/spec_decode.py; docs/speculative-decoding.md).
 PREFILL_TOKEN_COST = 0.025
 
 

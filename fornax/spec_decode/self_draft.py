@@ -25,8 +25,8 @@ from fornax.models.llama import LlamaForCausalLM
 from fornax.spec_decode import TargetInfo, register_proposer
 from fornax.spec_decode.draft_model import DraftModelProposer, target_kernel
 
-# A one-row step with quantized weights, relative to the dense bf16 one (measured with
-# benchmarks/spec_decode.py: the int4 self-draft's step took ~0.37 of the target's).
+# A one-row step with quantized weights, relative to the dense bf16 one, as measured with
+# benchmarks/spec_decode.py (docs/speculative-decoding.md).
 QUANTIZED_STEP_COST = {"int4": 0.35, "int8": 0.6}
 
 # Quantized draft linears serve steps of up to this many rows; a longer catch-up chunk
@@ -70,8 +70,7 @@ def _build(config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
     if target.loaded.model.has_small_step_forms():
         # The target's own small steps run on native kernels already (quantized, or dense bf16
         # streamed at full bandwidth), as one native call: the draft's op-by-op steps cost
-        # about as much as the target's, not a third (benchmarks/spec_decode.py
-        # --quantization auto: ~1.0, 2026-12-03).
+        # about as much as the target's, not a third (docs/speculative-decoding.md).
         cost = layers
     shape = (target.num_blocks, target.block_size, target.dtype)
     return DraftModelProposer(draft, draft.config, *shape, kernel, cost, dense_fraction=layers)
