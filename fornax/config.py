@@ -231,26 +231,22 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
 # Steps of at most this many rows use the small-step weight form (quantized, or the native
-# bf16 kernel in dense models). Against torch's bf16 linear int4 won up to ~24-32 rows;
-# against the native bf16 kernel that takes the steps past this limit it is level at 12 rows
-# and loses past them: 48 vs 35 ms per step at 16 rows, 53 vs 44 at 24 (decode_profile.py
-# --small-step-max-rows 24 / 8, --quantization auto, 2026-12-03).
+# bf16 kernel in dense models): up to where it stops beating the dense kernel that takes the
+# larger steps (docs/performance.md).
 SMALL_STEP_MAX_ROWS = 12
-# ... and against the int8 x int8 kernel (large_step_quantization "w8a8") int4 wins at one
-# row only: 5.6-7.4 vs 7.6-8.6 ms per step at 1 row, 9.7 vs 7.9 at 2, 19.0 vs 15.2 at 8
-# (decode_profile.py --large-step-quantization w8a8, --small-step-max-rows 12 / 1 / 0).
+# ... and where the large steps run int8 x int8 (large_step_quantization "w8a8"), int4 beats
+# that kernel at one row only (docs/performance.md).
 SMALL_STEP_MAX_ROWS_W8A8 = 1
 
-# `fornax serve`'s token budget per step: smaller than the offline one, because on a CPU a
-# step's time grows with its tokens and every running stream waits for it. At 2,048, 32
-# arriving chat prompts took ~2 s steps and TTFT p50 was 2.5-3.5 s; at 512 it was 0.9-1.6 s at
-# the same throughput (benchmarks/serve_streams.sh, 2026-12-03). A 2,000-token prompt then
-# prefills in four chunks, 10-15% slower than in one.
+# `fornax serve`'s token budget per step (fornax/engine_args.py applies it to the serve
+# flags): smaller than the offline one, because on a CPU a step's time grows with its tokens
+# and every running stream waits for it; long prompts then prefill in more chunks
+# (docs/performance.md).
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
 
 # The range of a request's `priority` (lower runs earlier; vLLM's convention). Bounded so a
@@ -258,7 +254,12 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 512
 PRIORITY_RANGE = (-1000, 1000)
 
 SPEC_METHODS = ("ngram", "draft", "self")
+DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZATION_METHODS = (None, "int8", "int4", "auto")
 LARGE_STEP_METHODS = (None, "w8a8")
+LM_HEAD_METHODS = (None, "int4")
+KERNEL_BACKENDS = ("native", "torch")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -375,10 +376,10 @@ class EngineConfig:
     # Weight form for the steps past the small-step limit (and of at least `large_step_min_rows`
     # tokens): prefill and bigger decode batches. None: dense (bf16 through oneDNN, the native
     # bf16 kernel up to 64 rows); "w8a8": int8 weights and int8 activations per token, after a
-    # blockwise Hadamard rotation (layers/linear.py Int8Rotated): ~2x bf16's speed from a dozen
-    # rows up, for ~1% perplexity (README). Needs dtype "bfloat16" and the native kernel
-    # backend (else a ConfigError); on a CPU without AVX-512 VNNI the dense weights serve the
-    # large steps, with a warning at load.
+    # blockwise Hadamard rotation (layers/linear.py Int8Rotated): faster than bf16 from a dozen
+    # rows up, for a small loss of perplexity (docs/performance.md). Needs dtype "bfloat16" and
+    # the native kernel backend (else a ConfigError); on a CPU without AVX-512 VNNI the dense
+    # weights serve the large steps, with a warning at load.
     large_step_quantization: str | None = None
     large_step_min_rows: int = 1  # 1: every step past the small-step limit
     # "int4": the LM head also gets an int4 form for steps of at most LM_HEAD_INT4_MAX_ROWS
@@ -393,7 +394,8 @@ class EngineConfig:
     # Compute threads of the engine (torch's intra-op pool, which the native kernels share).
     # None: every CPU this process may run on. In `fornax serve` the HTTP event loop gets no
     # core of its own by default: its work is short and runs while the kernels release the
-    # GIL, and leaving it a core halves the engine's on this 2-core machine (README).
+    # GIL, and leaving it a core takes half the engine's threads on a 2-core machine
+    # (docs/performance.md).
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -402,9 +404,9 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float32", "float16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4", "auto"):
+        if self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}")
         if self.small_step_max_rows is None:
             rows = SMALL_STEP_MAX_ROWS_W8A8 if self.large_step_quantization == "w8a8" else SMALL_STEP_MAX_ROWS
@@ -416,14 +418,14 @@ class EngineConfig:
             raise ConfigError(f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}")
         if self.large_step_min_rows < 1:
             raise ConfigError("large_step_min_rows must be >= 1")
-        if self.lm_head_quantization not in (None, "int4"):
+        if self.lm_head_quantization not in LM_HEAD_METHODS:
             raise ConfigError(f"lm_head_quantization must be None or 'int4', got {self.lm_head_quantization!r}")
         if self.large_step_quantization == "w8a8" and (self.dtype != "bfloat16" or self.kernel_backend != "native"):
             raise ConfigError(
                 "large_step_quantization 'w8a8' runs on the native kernels with bfloat16 activations: "
                 f"it needs dtype 'bfloat16' and kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
             )
-        if self.kernel_backend not in ("native", "torch"):
+        if self.kernel_backend not in KERNEL_BACKENDS:
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
