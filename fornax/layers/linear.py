@@ -1,15 +1,15 @@
 """Linear layers: one dense weight, plus optional forms for small and large steps.
 
 On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
-rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16 (LM head at
-one row: bf16 3.5 ms, int8 2.5 ms, int4 0.8 ms, benchmarks/linear_kernels.py); with many
-rows (prefill), bf16 through oneDNN beats them. So a Linear keeps its dense weight and, when
-configured, a "small-step" form chosen by `method`; `forward` picks by the row count of its
-input. The forms are small classes in registries (docs/architecture.md, rule 8), not branches inside the
-hot loop: BlockInt4 / BlockInt8 run fornax's integer-dot-product kernel
-(kernels/quant_matmul.c) where the CPU has AVX-512 VNNI and kernel_backend is "native"; they
-are also what the one-call small step (models/native_step.py) reads. Int4Grouped /
-Int8PerChannel run torch's kernels everywhere else.
+rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16; with many
+rows (prefill), bf16 through oneDNN beats them (measured: docs/kernels.md). So a Linear
+keeps its dense weight and, when configured, a "small-step" form chosen by `method`;
+`forward` picks by the row count of its input. The forms are small classes in registries
+(docs/architecture.md, rule 8), not branches inside the hot loop: BlockInt4 / BlockInt8
+run fornax's integer-dot-product kernel (kernels/quant_matmul.c) where the CPU has AVX-512
+VNNI and kernel_backend is "native"; they are also what the one-call small step
+(models/native_step.py) reads. Int4Grouped / Int8PerChannel run torch's kernels everywhere
+else.
 
 Dense bf16 models get a small-step form too where the CPU has AVX-512 BF16: DenseBf16 runs
 the Linear's own weight (no copy) through kernels/bf16_matmul.c, which streams it at the
@@ -273,8 +273,7 @@ def int8_matmul_for(weight: torch.Tensor, backend: str) -> Int8Matmul | None:
 
 # DenseBf16 serves steps of up to this many rows (or small_step_max_rows, if larger), in dense
 # models and, past the quantized forms' limit, in quantized ones: with the one-call step it
-# was ahead of oneDNN at every batch measured, 2.9x at 1 row and 1.16-1.18x at 32-64
-# (benchmarks/decode_step.py --quantization none, 2026-12-03).
+# was ahead of oneDNN at every batch measured up to 64 rows (measured: docs/kernels.md).
 DENSE_BF16_MAX_ROWS = 64
 
 
@@ -356,9 +355,8 @@ class Linear(nn.Module):
             self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel), min_rows
             if isinstance(self.small, BlockInt8) and min_rows <= 1:
                 # Both read int8 weights, and the int8 x int8 kernel was the faster at every row
-                # count, one included (one row, the default model's shapes: LM head 477 us against
-                # 558, gate/up 18 against 36, down 12 against 22, 2026-12-05): the weight-only
-                # form would be a second int8 copy (28.7 MiB for the LM head) that loses.
+                # count, one included (measured: docs/kernels.md): the weight-only form would be a
+                # second int8 copy of the weights that only costs memory.
                 self.small, self.small_max_rows = None, 0
             self._clip_mid()
 
