@@ -5,7 +5,7 @@ head_dim]. With `--kv-cache-dtype int8` every (slot, KV head) row of head_dim va
 stored as int8 with one float32 scale, row = int8 * scale (symmetric, scale = max|x| / 127).
 
 Why int8: at long context a decode step's attention reads every cached K/V row from memory,
-and half the bytes made a 2,000-token step 1.15-1.19x faster (README, "int8 KV cache"; it
+and half the bytes made a 2,000-token step 1.15-1.19x faster (docs/kernels.md, "int8 KV cache"; it
 paid only once the kernel's int8 scoring was cheap, see paged_attention.c). One scale per
 head row (64 values for the default model) follows the row's own range, as llama.cpp's q8_0
 cache does with blocks of 32. Each row costs head_dim + 4 bytes instead of 2 * head_dim.
