@@ -33,7 +33,8 @@ EVENT_TYPES = ("queued", "scheduled", "blocks", "prefill_chunk", "spec_verify", 
 
 @dataclass(slots=True)
 class Event:
-    """One thing that happened to one request. `data` holds the type's fields (docs/observability.md, "Events and live snapshots")."""
+    """One thing that happened to one request. `data` holds the type's fields
+    (docs/observability.md, "Events and live snapshots")."""
 
     type: str
     request_id: str  # the user's request id (the parent, when n > 1)
