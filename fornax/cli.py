@@ -13,57 +13,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from fornax.config import (
-    DEFAULT_MODEL,
-    KV_CACHE_DTYPES,
-    KV_OFFLOAD_DTYPES,
-    PREEMPTION_MODES,
-    SERVE_MAX_NUM_BATCHED_TOKENS,
-    SMALL_STEP_MAX_ROWS,
-    SMALL_STEP_MAX_ROWS_W8A8,
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    OffloadConfig,
-    SchedulerConfig,
-    ServedModelConfig,
-    ServerConfig,
-    SpeculativeConfig,
-)
+from fornax.config import DEFAULT_MODEL, ConfigError, ServedModelConfig, ServerConfig
+from fornax.engine_args import ENGINE, MODEL, SPECULATIVE, TIERS, EngineArgs
 
-
-def _add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    if several:  # `fornax serve`: one server, one engine per model
-        p.add_argument("--model", "-m", action="append", default=None,
-                       help="GGUF file, HF directory or alias; repeat to serve several models")
-    else:
-        p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="GGUF file, HF directory or alias")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    _add_quant_args(p)
-    p.add_argument("--kv-cache-memory", default="auto",
-                   help="KV cache budget, e.g. 512MiB; auto: 5%% of the machine's memory, at least one "
-                        "max-model-len sequence, at most max-num-seqs of them (docs/memory.md)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="auto: the model's dtype; int8: int8 K/V with a scale per token and head "
-                        "(half the bytes; faster long-context decode)")  # fmt: skip
-
-
-def _add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "auto"],
-                   help="weight-only quantized kernels for small (decode) steps (auto: the GGUF's own); default: dense")  # fmt: skip
-    p.add_argument("--small-step-max-rows", type=int, default=None,
-                   help="steps of at most this many tokens use the quantized kernels "
-                        f"(default {SMALL_STEP_MAX_ROWS}, {SMALL_STEP_MAX_ROWS_W8A8} with w8a8 large steps)")  # fmt: skip
-    p.add_argument("--large-step-quantization", default=None, choices=["w8a8"],
-                   help="w8a8: int8 weights and activations for large steps (prefill, big batches); default: bf16")  # fmt: skip
-    p.add_argument("--large-step-min-rows", type=int, default=EngineConfig.large_step_min_rows,
-                   help="steps of at least this many tokens (past the small-step limit) use the large-step form")  # fmt: skip
-    p.add_argument("--lm-head-quantization", default=None, choices=["int4"],
-                   help="int4: an int4 LM head for one- and two-row steps (large vocabularies); default: as the other weights")  # fmt: skip
-    p.add_argument("--kernel-backend", default="native", choices=["native", "torch"],
-                   help="native: compiled paged attention and fused layer ops (torch ops if they cannot be built)")  # fmt: skip
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="engine compute threads (default: every CPU this process may use)")  # fmt: skip
+# The engine flags of generate and chat, less --seed: there it is the request's (sampling) seed.
+_SAMPLING_COMMAND_EXCLUDES = ("seed",)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,7 +25,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=None,
+                   help="the request's sampling seed")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,15 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="no chat template: plain text completion")
-    _add_model_args(gen)
+    EngineArgs.add_cli_args(gen, "generate", exclude=_SAMPLING_COMMAND_EXCLUDES)
     _add_sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_model_args(chat)
+    EngineArgs.add_cli_args(chat, "chat", exclude=_SAMPLING_COMMAND_EXCLUDES)
     _add_sampling_args(chat)
     memory = sub.add_parser("memory", help="load a model as the flags say; print its memory by owner")
     memory.add_argument("--json", action="store_true", help="print the breakdown as JSON")
-    _add_model_args(memory)
+    EngineArgs.add_cli_args(memory, "memory")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     from fornax.cluster.cli import add_cluster_parser, add_replicas_arg
@@ -109,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    _add_model_args(p, several=True)
+    # The model's flags first and the engine's groups after the server's own, as the help has
+    # always read (and in that order `cluster up` passes them on to its replicas).
+    EngineArgs.add_cli_args(p, "serve", groups=(MODEL,))
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--served-model-name", action="append", default=None,
@@ -139,43 +96,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         limits.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
     limits.add_argument("--privileged-key", action="append", default=[], metavar="NAME",
                         help="key name that may send negative priorities (repeatable; admin keys may too)")
-    engine = p.add_argument_group("engine")
-    sched, cache = SchedulerConfig(), CacheConfig()
-    engine.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
-                        help="tokens computed per engine step, at most")  # fmt: skip
-    engine.add_argument("--max-model-len", type=int, default=sched.max_model_len)
-    engine.add_argument("--scheduling-policy", default=sched.policy, choices=["fcfs", "priority"])
-    engine.add_argument("--block-size", type=int, default=cache.block_size)
-    engine.add_argument("--num-blocks", type=int, default=None)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--seed", type=int, default=0)
-    _add_offload_args(p)
-    _add_spec_args(p)
-
-
-def _add_offload_args(p: argparse.ArgumentParser) -> None:
-    tiers, defaults = p.add_argument_group("KV cache tiers"), OffloadConfig()
-    tiers.add_argument("--kv-offload-memory", default=None,
-                       help="host-memory tier (e.g. 4GiB): evicted prefix blocks are kept there and loaded "
-                            "back on a hit instead of recomputed; preempted requests swap to it")  # fmt: skip
-    tiers.add_argument("--kv-offload-dir", default=None,
-                       help="disk tier directory: blocks persist across restarts (needs --kv-offload-memory)")
-    tiers.add_argument("--kv-offload-disk", default="20GiB", help="the disk tier's size bound (LRU)")
-    tiers.add_argument("--kv-offload-dtype", default=defaults.dtype, choices=list(KV_OFFLOAD_DTYPES),
-                       help="form of offloaded blocks: auto (the KV cache's own, exact) or int8 (half of bf16)")
-    tiers.add_argument("--preemption-mode", default=None, choices=list(PREEMPTION_MODES),
-                       help="what preemption does with a request's KV: swap it to the host tier (the default "
-                            "with one) or recompute it")  # fmt: skip
-
-
-def offload_config(args: argparse.Namespace) -> OffloadConfig:
-    from fornax.config import parse_memory_size
-
-    memory = parse_memory_size(args.kv_offload_memory) if args.kv_offload_memory else 0
-    return OffloadConfig(host_memory=memory, disk_dir=args.kv_offload_dir,
-                         disk_bytes=parse_memory_size(args.kv_offload_disk), dtype=args.kv_offload_dtype,
-                         preemption_mode=args.preemption_mode)  # fmt: skip
+    EngineArgs.add_cli_args(p, "serve", groups=(ENGINE, TIERS, SPECULATIVE))
 
 
 def _add_tenancy_args(p: argparse.ArgumentParser) -> None:
@@ -211,46 +132,22 @@ def _tenancy_config(args: argparse.Namespace) -> dict:
     }
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON",
-                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, draft '
-                           '(with "model"), self (with "draft_layers" and/or "quantization")')
-    spec.add_argument("--speculative-model", default=None,
-                      help="draft model (same tokenizer): shorthand for method 'draft' with this model")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None,
-                      help="draft tokens per step (overrides the value in --speculative-config)")
-
-
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """--speculative-config JSON, with --speculative-model / --num-speculative-tokens merged in."""
-    base = SpeculativeConfig.from_dict(args.speculative_config)
-    value: dict = {} if base is None else {f: getattr(base, f) for f in base.__dataclass_fields__}
-    if args.speculative_model:
-        value |= {"method": value.get("method", "draft"), "model": args.speculative_model}
-    if args.num_speculative_tokens is not None:
-        if not value:
-            raise ConfigError("--num-speculative-tokens needs --speculative-config or --speculative-model")
-        value["num_speculative_tokens"] = args.num_speculative_tokens
-    return SpeculativeConfig.from_dict(value) if value else None
-
-
 def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.engine.request import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
     )
 
 
 def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fornax.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-               small_step_max_rows=args.small_step_max_rows, large_step_quantization=args.large_step_quantization,
-               large_step_min_rows=args.large_step_min_rows, kernel_backend=args.kernel_backend,
-               lm_head_quantization=args.lm_head_quantization,
-               num_threads=args.num_threads, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    return LLM(**EngineArgs.from_cli_args(args).as_kwargs())
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -326,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from fornax.cluster.cli import serve_replicas
 
         return serve_replicas(args)
-    from fornax.config import load_api_keys, parse_kv_cache_memory
+    from fornax.config import load_api_keys
     from fornax.server.app import serve
 
     models = serve_models(args)
@@ -346,20 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         privileged_keys=tuple(args.privileged_key),
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )  # fmt: skip
-    engine_config = EngineConfig(
-        model=models[0], dtype=args.dtype, seed=args.seed,
-        quantization=args.quantization, small_step_max_rows=args.small_step_max_rows,
-        large_step_quantization=args.large_step_quantization, large_step_min_rows=args.large_step_min_rows,
-        lm_head_quantization=args.lm_head_quantization,
-        kernel_backend=args.kernel_backend, num_threads=args.num_threads,
-        cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory=parse_kv_cache_memory(args.kv_cache_memory), num_blocks=args.num_blocks,
-                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, policy=args.scheduling_policy),
-        speculative=speculative_config(args),
-        offload=offload_config(args),
-    )  # fmt: skip
+    engine_config = EngineArgs.from_cli_args(args, model=models[0]).create_engine_config()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # every model with the same engine flags
     served = [ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)]

@@ -7,19 +7,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fornax.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    OffloadConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    parse_kv_cache_memory,
-    parse_memory_size,
-)
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
+from fornax.engine_args import EngineArgs
 from fornax.outputs import CompletionOutput, RequestOutput
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
@@ -33,70 +24,21 @@ class LLM:
 
     def __init__(
         self,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "bfloat16",
+        model: str = EngineArgs.model,
+        dtype: str = EngineArgs.dtype,
         *,
-        quantization: str | None = None,
-        small_step_max_rows: int | None = None,
-        large_step_quantization: str | None = None,
-        large_step_min_rows: int = EngineConfig.large_step_min_rows,
-        lm_head_quantization: str | None = None,
-        kernel_backend: str = "native",
-        num_threads: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 8192,
-        block_size: int = 16,
-        kv_cache_memory: int | float | str | None = "auto",
-        num_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        scheduling_policy: str = "fcfs",
-        long_prefill_token_threshold: int = 0,
-        seed: int = 0,
         progress: bool = True,
-        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-        kv_offload_memory: int | float | str = 0,
-        kv_offload_dir: str | None = None,
-        kv_offload_disk: int | float | str = "20GiB",
-        kv_offload_dtype: str = "auto",
-        preemption_mode: str | None = None,
+        **engine_args: Any,
     ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            quantization=quantization,
-            small_step_max_rows=small_step_max_rows,
-            large_step_quantization=large_step_quantization,
-            large_step_min_rows=large_step_min_rows,
-            lm_head_quantization=lm_head_quantization,
-            kernel_backend=kernel_backend,
-            num_threads=num_threads,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=parse_kv_cache_memory(kv_cache_memory),
-                num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                policy=scheduling_policy,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            speculative=SpeculativeConfig.from_dict(speculative_config),
-            offload=OffloadConfig(
-                host_memory=parse_memory_size(kv_offload_memory) if kv_offload_memory else 0,
-                disk_dir=None if kv_offload_dir is None else str(kv_offload_dir),
-                disk_bytes=parse_memory_size(kv_offload_disk),
-                dtype=kv_offload_dtype,
-                preemption_mode=preemption_mode,
-            ),
-            seed=seed,
-        )
-        self.engine: EngineCore = build_engine_core(config, progress=progress)
+        """`engine_args`: any field of EngineArgs (fornax/engine_args.py), the same settings as
+        the engine flags of the command line (`max_num_seqs=8` is `--max-num-seqs 8`), with
+        the same defaults. `progress`: show the model's loading progress."""
+        unknown = sorted(set(engine_args) - EngineArgs.names())
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}: the engine's settings are "
+                            "the fields of EngineArgs (fornax/engine_args.py)")  # fmt: skip
+        self.engine_args = EngineArgs(model=model, dtype=dtype, **engine_args)
+        self.engine: EngineCore = build_engine_core(self.engine_args.create_engine_config(), progress=progress)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -181,7 +181,7 @@ def _as_argv(action: argparse.Action, value: Any) -> list[str]:
     flag = action.option_strings[0]
     if isinstance(action, argparse.BooleanOptionalAction):
         return [flag if value else "--no-" + flag[2:]]
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # --no-prefix-caching
         return [flag]
     # FLAG=VALUE, never FLAG VALUE: a value starting with "-" (a generated key, say) would be
     # read as a flag of its own by the receiving parser.

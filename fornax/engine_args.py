@@ -1,0 +1,337 @@
+"""EngineArgs: every engine setting a user can give, each once, with its default and its help.
+
+The engine flags of every command that runs an engine (`fornax generate | chat | memory |
+serve`, and `fornax cluster up`, which hands serve's flags on to its replicas) and the keyword
+arguments of `LLM(...)` are both built from this one dataclass, so they are the same set by
+construction. The defaults are read from the frozen configs (fornax/config.py, the only home
+of defaults); `create_engine_config()` turns the arguments into the EngineConfig an engine is
+built from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from fornax.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_CACHE_MEMORY_FRACTION,
+    KV_OFFLOAD_DTYPES,
+    LARGE_STEP_METHODS,
+    LM_HEAD_METHODS,
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
+    SMALL_STEP_MAX_ROWS,
+    SMALL_STEP_MAX_ROWS_W8A8,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    GiB,
+    OffloadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_kv_cache_memory,
+    parse_memory_size,
+)
+
+# The argument groups of the help, in order. "model" flags go on the command's own options.
+MODEL, ENGINE, TIERS, SPECULATIVE = "model", "engine", "KV cache tiers", "speculative decoding"
+GROUPS = (MODEL, ENGINE, TIERS, SPECULATIVE)
+
+# Where a command's flags differ from the offline engine's (LLM): `fornax serve` takes several
+# models, and a smaller token budget per step (SERVE_MAX_NUM_BATCHED_TOKENS says why).
+COMMAND_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "serve": {
+        "model": {
+            "action": "append",
+            "default": None,
+            "help": "GGUF file, HF directory or alias; repeat to serve several models",
+        },
+        "max_num_batched_tokens": {"default": SERVE_MAX_NUM_BATCHED_TOKENS},
+    },
+}
+
+
+def _declared(config: type, name: str) -> Any:
+    """A frozen config's default for `name` as the class declares it (EngineConfig resolves
+    some in __post_init__, e.g. small_step_max_rows: None means "by the large-step form")."""
+    return config.__dataclass_fields__[name].default
+
+
+def _arg(
+    default: Any, help: str, *, group: str = MODEL, flags: tuple[str, ...] = (), **argparse_kwargs: Any
+) -> Any:
+    """A field with its flag's spelling (default: --field-name), help, group and any other
+    add_argument keyword (type, choices, action, metavar)."""
+    return field(
+        default=default, metadata={"help": help, "group": group, "flags": flags, "argparse": argparse_kwargs}
+    )
+
+
+def _named(values: tuple[str | None, ...]) -> list[str]:
+    """A config's accepted values as flag choices: None is the flag left out."""
+    return [v for v in values if v is not None]
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:g}GiB"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting a user can give; the field names are LLM's keyword arguments and,
+    spelled with dashes, the flags (the exceptions name their flag in `flags`)."""
+
+    model: str = _arg(
+        _declared(EngineConfig, "model"), "GGUF file, HF directory or alias", flags=("--model", "-m")
+    )
+    dtype: str = _arg(
+        _declared(EngineConfig, "dtype"), "weights' and activations' dtype", choices=list(DTYPES)
+    )
+    quantization: str | None = _arg(
+        _declared(EngineConfig, "quantization"),
+        "weight-only quantized kernels for small (decode) steps (auto: the GGUF's own); default: dense",
+        choices=_named(QUANTIZATION_METHODS),
+    )
+    small_step_max_rows: int | None = _arg(
+        _declared(EngineConfig, "small_step_max_rows"),
+        "steps of at most this many tokens use the quantized kernels "
+        f"(default {SMALL_STEP_MAX_ROWS}, {SMALL_STEP_MAX_ROWS_W8A8} with w8a8 large steps)",
+        type=int,
+    )
+    large_step_quantization: str | None = _arg(
+        _declared(EngineConfig, "large_step_quantization"),
+        "w8a8: int8 weights and activations for large steps (prefill, big batches); default: bf16",
+        choices=_named(LARGE_STEP_METHODS),
+    )
+    large_step_min_rows: int = _arg(
+        _declared(EngineConfig, "large_step_min_rows"),
+        "steps of at least this many tokens (past the small-step limit) use the large-step form",
+        type=int,
+    )
+    lm_head_quantization: str | None = _arg(
+        _declared(EngineConfig, "lm_head_quantization"),
+        "int4: an int4 LM head for one- and two-row steps (large vocabularies); default: as the other weights",
+        choices=_named(LM_HEAD_METHODS),
+    )
+    kernel_backend: str = _arg(
+        _declared(EngineConfig, "kernel_backend"),
+        "native: compiled paged attention and fused layer ops (torch ops if they cannot be built)",
+        choices=list(KERNEL_BACKENDS),
+    )
+    num_threads: int | None = _arg(
+        _declared(EngineConfig, "num_threads"),
+        "engine compute threads (default: every CPU this process may use)",
+        type=int,
+    )
+    # "auto" (or None): sized for the model and the machine (config.default_kv_cache_memory).
+    kv_cache_memory: int | float | str | None = _arg(
+        _declared(CacheConfig, "kv_cache_memory"),
+        f"KV cache budget, e.g. 512MiB; auto: {KV_CACHE_MEMORY_FRACTION * 100:g}%% of the machine's memory, "
+        "at least one max-model-len sequence, at most max-num-seqs of them (docs/memory.md)",
+    )
+    kv_cache_dtype: str = _arg(
+        _declared(CacheConfig, "kv_cache_dtype"),
+        "auto: the model's dtype; int8: int8 K/V with a scale per token and head "
+        "(half the bytes; faster long-context decode)",
+        choices=list(KV_CACHE_DTYPES),
+    )
+
+    max_num_seqs: int = _arg(
+        _declared(SchedulerConfig, "max_num_seqs"),
+        "sequences in one engine step, at most",
+        group=ENGINE,
+        type=int,
+    )
+    max_num_batched_tokens: int = _arg(
+        _declared(SchedulerConfig, "max_num_batched_tokens"),
+        "tokens computed per engine step, at most",
+        group=ENGINE,
+        type=int,
+    )
+    max_model_len: int = _arg(
+        _declared(SchedulerConfig, "max_model_len"),
+        "longest sequence, prompt and output (capped by the model's context)",
+        group=ENGINE,
+        type=int,
+    )
+    scheduling_policy: str = _arg(
+        _declared(SchedulerConfig, "policy"),
+        "fcfs: in order of arrival; priority: a request's lower `priority` value first",
+        group=ENGINE,
+        choices=list(SCHEDULING_POLICIES),
+    )
+    long_prefill_token_threshold: int = _arg(
+        _declared(SchedulerConfig, "long_prefill_token_threshold"),
+        "a prefill chunk takes at most this many tokens of a step, so decodes keep flowing (0: the whole budget)",
+        group=ENGINE,
+        type=int,
+    )
+    block_size: int = _arg(
+        _declared(CacheConfig, "block_size"),
+        "tokens per KV cache block (a power of two up to 256)",
+        group=ENGINE,
+        type=int,
+    )
+    num_blocks: int | None = _arg(
+        _declared(CacheConfig, "num_blocks"),
+        "KV cache blocks (default: as --kv-cache-memory sizes them)",
+        group=ENGINE,
+        type=int,
+    )
+    enable_prefix_caching: bool = _arg(
+        _declared(CacheConfig, "enable_prefix_caching"),
+        "do not reuse the KV blocks of earlier prompts' prefixes",
+        group=ENGINE,
+        flags=("--no-prefix-caching",),
+        action="store_false",
+    )
+    seed: int = _arg(
+        _declared(EngineConfig, "seed"),
+        "seed of the engine's random generator (requests without a seed of their own)",
+        group=ENGINE,
+        type=int,
+    )
+
+    kv_offload_memory: int | float | str = _arg(
+        _declared(OffloadConfig, "host_memory"),
+        "host-memory tier (e.g. 4GiB): evicted prefix blocks are kept there and loaded back on a hit "
+        "instead of recomputed; preempted requests swap to it",
+        group=TIERS,
+    )
+    kv_offload_dir: str | None = _arg(
+        _declared(OffloadConfig, "disk_dir"),
+        "disk tier directory: blocks persist across restarts (needs --kv-offload-memory)",
+        group=TIERS,
+    )
+    kv_offload_disk: int | float | str = _arg(
+        _declared(OffloadConfig, "disk_bytes"),
+        f"the disk tier's size bound (LRU; default {_gib(_declared(OffloadConfig, 'disk_bytes'))})",
+        group=TIERS,
+    )
+    kv_offload_dtype: str = _arg(
+        _declared(OffloadConfig, "dtype"),
+        "form of offloaded blocks: auto (the KV cache's own, exact) or int8 (half of bf16)",
+        group=TIERS,
+        choices=list(KV_OFFLOAD_DTYPES),
+    )
+    preemption_mode: str | None = _arg(
+        _declared(OffloadConfig, "preemption_mode"),
+        "what preemption does with a request's KV: swap it to the host tier (the default with one) or recompute it",
+        group=TIERS,
+        choices=list(PREEMPTION_MODES),
+    )
+
+    # A dict, its JSON text (as on the command line) or a SpeculativeConfig.
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = _arg(  # noqa: RUF009 - a field()
+        None,
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram, draft '
+        '(with "model"), self (with "draft_layers" and/or "quantization")',
+        group=SPECULATIVE,
+        metavar="JSON",
+    )
+    speculative_model: str | None = _arg(
+        None, "draft model (same tokenizer): shorthand for method 'draft' with this model", group=SPECULATIVE
+    )
+    num_speculative_tokens: int | None = _arg(
+        None,
+        "draft tokens per step (overrides the value in --speculative-config)",
+        group=SPECULATIVE,
+        type=int,
+    )
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        command: str,
+        *,
+        exclude: tuple[str, ...] = (),
+        groups: tuple[str, ...] = GROUPS,
+    ) -> None:
+        """Add the engine flags of `command` (its COMMAND_OVERRIDES applied) to `parser`:
+        those of `groups`, less the fields in `exclude` (a flag the command spells for
+        something else)."""
+        overrides = COMMAND_OVERRIDES.get(command, {})
+        containers: dict[str, Any] = {MODEL: parser}
+        for f in fields(cls):
+            group = f.metadata["group"]
+            if group not in groups or f.name in exclude:
+                continue
+            if group not in containers:
+                containers[group] = parser.add_argument_group(group)
+            kwargs = {"default": f.default, "help": f.metadata["help"], **f.metadata["argparse"]}
+            kwargs |= overrides.get(f.name, {})
+            flags = f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+            containers[group].add_argument(*flags, dest=f.name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The fields a command's flags gave (the others at their defaults), then `overrides`
+        (e.g. the one model of several `fornax serve` was given)."""
+        given = {name: getattr(namespace, name) for name in cls.names() if hasattr(namespace, name)}
+        return cls(**(given | overrides))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as LLM's keyword arguments (a shallow copy: values are not converted)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=str(self.model),
+            dtype=self.dtype,
+            quantization=self.quantization,
+            small_step_max_rows=self.small_step_max_rows,
+            large_step_quantization=self.large_step_quantization,
+            large_step_min_rows=self.large_step_min_rows,
+            lm_head_quantization=self.lm_head_quantization,
+            kernel_backend=self.kernel_backend,
+            num_threads=self.num_threads,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_kv_cache_memory(self.kv_cache_memory),
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            speculative=self.create_speculative_config(),
+            offload=OffloadConfig(
+                host_memory=parse_memory_size(self.kv_offload_memory) if self.kv_offload_memory else 0,
+                disk_dir=None if self.kv_offload_dir is None else str(self.kv_offload_dir),
+                disk_bytes=parse_memory_size(self.kv_offload_disk),
+                dtype=self.kv_offload_dtype,
+                preemption_mode=self.preemption_mode,
+            ),
+            seed=self.seed,
+        )
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """speculative_config, with the speculative_model / num_speculative_tokens shorthands
+        merged in."""
+        base = SpeculativeConfig.from_dict(self.speculative_config)
+        value: dict[str, Any] = {} if base is None else {f.name: getattr(base, f.name) for f in fields(base)}
+        if self.speculative_model:
+            value |= {"method": value.get("method", "draft"), "model": self.speculative_model}
+        if self.num_speculative_tokens is not None:
+            if not value:
+                raise ConfigError(
+                    "--num-speculative-tokens needs --speculative-config or --speculative-model"
+                )
+            value["num_speculative_tokens"] = self.num_speculative_tokens
+        return SpeculativeConfig.from_dict(value) if value else None
