@@ -43,7 +43,9 @@ class LoadedModel:
     resolved: ResolvedModel
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
 
-    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def kv_cache_bytes_per_block(
+        self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
         """What one paged KV-cache block of `block_size` tokens takes, over every layer: what
         the engine sizes its cache by."""
         return KVCache.bytes_per_block(self.config, block_size, dtype, kv_cache_dtype)

@@ -169,7 +169,9 @@ class StepCosts:
 
 
 class SpecController:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, steps: TargetSteps | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, steps: TargetSteps | None = None
+    ) -> None:
         """`steps`: what the target's steps run on (None: dense weights throughout). It sets
         the fitted line's defaults and where a step's drafts stop or pay a step up: a step of
         at most `row_limit` rows runs the quantized small-step kernels, and crossing that
@@ -223,10 +225,9 @@ class SpecController:
         if self.kinded is not None and candidates:
             # A lookup is nearly free: find each request's full drafts and their kind first,
             # then budget each proposal by its own kind's rate.
+            proposals = self.kinded.propose_with_kinds(candidates, max_counts)
             found = [
-                (request, drafts, kind)
-                for request, (drafts, kind) in zip(candidates, self.kinded.propose_with_kinds(candidates, max_counts))
-                if drafts
+                (request, drafts, kind) for request, (drafts, kind) in zip(candidates, proposals) if drafts
             ]
             candidates = [request for request, _, _ in found]
             lookups = [drafts for _, drafts, _ in found]

@@ -4,6 +4,7 @@ rule, and the rejection sampler's distribution."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -56,7 +57,7 @@ def test_config_errors_are_clear(value, message):
 def test_a_removed_knob_is_an_error_that_names_it(key):
     """The per-request acceptance EMA's knobs: given by a user (a dict or --speculative-config
     JSON), each is refused by name, never silently ignored."""
-    for value in ({"method": "ngram", key: 1}, '{"method": "ngram", "%s": 1}' % key):
+    for value in ({"method": "ngram", key: 1}, json.dumps({"method": "ngram", key: 1})):
         with pytest.raises(ConfigError, match=rf"\['{key}'\] were removed") as info:
             SpeculativeConfig.from_dict(value)
         assert "unknown" not in str(info.value)
@@ -490,7 +491,11 @@ def test_greedy_verification_takes_the_argmax_and_stops_at_the_first_mismatch():
 
 
 def _plan_on_the_line(
-    rates: list[float], max_counts: list[int], num_rows: int, unit: float, row_cost: float,
+    rates: list[float],
+    max_counts: list[int],
+    num_rows: int,
+    unit: float,
+    row_cost: float,
     steps: TargetSteps | None = None,
 ) -> list[int]:
     """The controller's plan before it has timed a step: on the fitted line, in units of a
