@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.native import load_bf16_matmul

@@ -16,7 +16,6 @@ import argparse
 import random
 
 import torch
-
 from _timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.attention import SeqSpan, build_attention_metadata, paged_attention
@@ -40,10 +39,16 @@ def one_case(batch: int, context: int, dtype: torch.dtype, kernel) -> tuple[floa
     v = torch.randn(batch, KV_HEADS, DIM, generator=gen).to(dtype)
     scale = DIM**-0.5
     # Metadata is built once per step and shared by all layers, so it is outside the timing.
-    metas = {name: build_attention_metadata(spans, BLOCK, kernel=kn) for name, kn in (("torch", None), ("native", kernel))}
+    metas = {
+        name: build_attention_metadata(spans, BLOCK, kernel=kn)
+        for name, kn in (("torch", None), ("native", kernel))
+    }
     with torch.inference_mode():
         outs = {name: paged_attention(q, k, v, cache, m, scale).float() for name, m in metas.items()}
-        times = {name: median_ms(lambda m=m: paged_attention(q, k, v, cache, m, scale)) for name, m in metas.items()}
+        times = {
+            name: median_ms(lambda m=m: paged_attention(q, k, v, cache, m, scale))
+            for name, m in metas.items()
+        }
     return times["torch"], times["native"], (outs["torch"] - outs["native"]).abs().max().item()
 
 
@@ -57,8 +62,12 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the native kernel could not be built here (no C compiler?)")
     dtype = getattr(torch, args.dtype)
-    print(f"one layer of decode attention, {args.dtype}, {torch.get_num_threads()} threads (median ms per call)")
-    print(f"{'batch':>5} {'context':>8} {'torch ms':>9} {'native ms':>10} {'torch/native':>13} {'max abs diff':>13}")
+    print(
+        f"one layer of decode attention, {args.dtype}, {torch.get_num_threads()} threads (median ms per call)"
+    )
+    print(
+        f"{'batch':>5} {'context':>8} {'torch ms':>9} {'native ms':>10} {'torch/native':>13} {'max abs diff':>13}"
+    )
     for b in (int(x) for x in args.batches.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
             t, n, diff = one_case(b, ctx, dtype, kernel)

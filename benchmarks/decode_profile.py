@@ -44,8 +44,10 @@ PARTS = [
                  ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
                  ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul),
                  _call_of(Bf16Matmul), _call_of(Int8Matmul)], False),
-    ("attention", [_call_of(PagedAttentionKernel), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
-    ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")], True),
+    ("attention", [_call_of(PagedAttentionKernel),
+                   ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
+    ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"),
+                   ("layers/native.py", "silu_mul")], True),
     ("sampling", [("sample/sampler.py", "__call__")], True),
     ("scheduler", [("engine/scheduler.py", "schedule"), ("engine/scheduler.py", "update_from_output")], True),
     ("detokenize", [("engine/core.py", "_detokenize"), ("engine/core.py", "_output")], True),
@@ -65,7 +67,13 @@ def main() -> None:
     args = ap.parse_args()
     quant = None if args.quantization == "none" else args.quantization
     rows = {} if args.small_step_max_rows is None else {"small_step_max_rows": args.small_step_max_rows}
-    llm = LLM(args.model, quantization=quant, large_step_quantization=args.large_step_quantization, progress=False, **rows)
+    llm = LLM(
+        args.model,
+        quantization=quant,
+        large_step_quantization=args.large_step_quantization,
+        progress=False,
+        **rows,
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=2 * args.steps + 20, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):

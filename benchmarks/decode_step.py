@@ -33,7 +33,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batches", default="1,8,16,32,64")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--quantization", default="int4", help="int4, int8, auto or none (the native bf16 form)")
+    parser.add_argument(
+        "--quantization", default="int4", help="int4, int8, auto or none (the native bf16 form)"
+    )
     args = parser.parse_args()
     quant = None if args.quantization == "none" else args.quantization
     form = args.quantization if quant else "native"
@@ -53,7 +55,10 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             times[name] = (time.perf_counter() - start) / args.steps * 1e3
-        print(f"{b:>5} {times['form']:>13.1f} {times['bf16']:>19.1f} {times['bf16'] / times['form']:>12.2f}", flush=True)
+        print(
+            f"{b:>5} {times['form']:>13.1f} {times['bf16']:>19.1f} {times['bf16'] / times['form']:>12.2f}",
+            flush=True,
+        )
         while engine.has_unfinished_requests():
             engine.step()
 

@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fornax import LLM, SamplingParams  # noqa: E402
-from fornax.engine.event_tap import EventTap  # noqa: E402
-from fornax.engine.events import Subscription  # noqa: E402
+from fornax import LLM, SamplingParams
+from fornax.engine.event_tap import EventTap
+from fornax.engine.events import Subscription
 
 MODES = ("absent", "idle", "watched")
 
@@ -128,8 +128,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads; 1 keeps a shared machine's other load from stalling every op")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 keeps a shared machine's other load from stalling every op",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -148,7 +152,7 @@ def main() -> None:
     watched_s = 0.0
 
     results: dict[str, list[float]] = {m: [] for m in MODES}
-    events: dict[str, int] = {m: 0 for m in MODES}
+    events: dict[str, int] = dict.fromkeys(MODES, 0)
     order = list(MODES)
     for r in range(args.rounds):
         rng.shuffle(order)
@@ -183,12 +187,18 @@ def main() -> None:
         print(f"{m:8} {report['median_tokens_per_s'][m]:12.1f} {ratio:10.3f} {paired:8.3f} "
               f"{report['events_per_pass'][m]:12d}")  # fmt: skip
     idle_cost = 1.0 - report["paired_ratio_to_absent"]["idle"]
-    print(f"\nend to end, idle bus vs absent (paired median): {100 * idle_cost:+.2f}% throughput cost "
-          f"(noise included; claim: under 2%)")
-    print(f"direct: the idle check costs {1e9 * check_s:.0f} ns per step, a median step takes "
-          f"{1e3 * step_s:.1f} ms: {100 * check_s / step_s:.5f}% of a step")
-    print(f"watched: building and publishing events took {100 * report['watched_tap_fraction_of_time']:.2f}% "
-          f"of the watched runs' time")
+    print(
+        f"\nend to end, idle bus vs absent (paired median): {100 * idle_cost:+.2f}% throughput cost "
+        f"(noise included; claim: under 2%)"
+    )
+    print(
+        f"direct: the idle check costs {1e9 * check_s:.0f} ns per step, a median step takes "
+        f"{1e3 * step_s:.1f} ms: {100 * check_s / step_s:.5f}% of a step"
+    )
+    print(
+        f"watched: building and publishing events took {100 * report['watched_tap_fraction_of_time']:.2f}% "
+        f"of the watched runs' time"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -45,8 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.structured.engines import Vocab, llguidance_tokenizer, xgrammar_tokenizer_info  # noqa: E402
-from tests.structured.schemas import SCHEMAS  # noqa: E402
+from tests.structured.engines import Vocab, llguidance_tokenizer, xgrammar_tokenizer_info
+from tests.structured.schemas import SCHEMAS
 
 ENGINES = ("xgrammar", "llguidance")
 
@@ -178,6 +178,7 @@ def summarize(runs: list[list[Walk]]) -> dict[str, Any]:
         values = per_schema(attr)
         compile_ms[attr[:-2]] = {"median": statistics.median(values) * 1e3, "max": max(values) * 1e3,
                                  "per_schema": [v * 1e3 for v in values]}  # fmt: skip
+
     def masks(w: Walk) -> list[float]:
         return w.masks_s
 
@@ -259,8 +260,10 @@ def report(args: argparse.Namespace, vocab: Vocab, setup: dict[str, float], summ
            versions: dict[str, str], walks_tokens: list[list[int]]) -> None:  # fmt: skip
     tokens = sum(len(t) for t in walks_tokens)
     print(f"grammar engines: xgrammar {versions['xgrammar']} vs llguidance {versions['llguidance']}")
-    print(f"vocabulary {vocab.size} tokens ({Path(args.gguf).name}); {len(SCHEMAS)} schemas, "
-          f"{tokens} tokens per pass incl. EOS; {args.repeats} timed runs after a warm-up\n")
+    print(
+        f"vocabulary {vocab.size} tokens ({Path(args.gguf).name}); {len(SCHEMAS)} schemas, "
+        f"{tokens} tokens per pass incl. EOS; {args.repeats} timed runs after a warm-up\n"
+    )
     print("setup (one-off)                 ms")
     for label, seconds in setup.items():
         print(f"  {label:28s} {seconds * 1e3:8.1f}")
@@ -273,8 +276,10 @@ def report(args: argparse.Namespace, vocab: Vocab, setup: dict[str, float], summ
     for name in ENGINES:
         for part in ("mask", "mask+accept"):
             stats = summary[name]["per_token_us"][part]
-            print(f"  {name:11s} {part:18s} {stats['median']:10.1f} {stats['p90']:8.1f} {stats['mean']:8.1f}"
-                  f" {stats['samples']:8d}")
+            print(
+                f"  {name:11s} {part:18s} {stats['median']:10.1f} {stats['p90']:8.1f} {stats['mean']:8.1f}"
+                f" {stats['samples']:8d}"
+            )
     x, g = summary["xgrammar"], summary["llguidance"]
     print("\nwhole request (total compile + later masks and accepts), ms   median      max")
     for name in ENGINES:
@@ -286,8 +291,10 @@ def report(args: argparse.Namespace, vocab: Vocab, setup: dict[str, float], summ
         xc, gc_ = x["compile_ms"]["total"]["per_schema"][s], g["compile_ms"]["total"]["per_schema"][s]
         xm, gm = x["per_schema_mean_mask_us"][s], g["per_schema_mean_mask_us"][s]
         xr, gr = x["request_ms"]["per_schema"][s], g["request_ms"]["per_schema"][s]
-        print(f"  {name:24s} {len(walks_tokens[s]):6d} {xc:9.2f} {gc_:10.2f} {xm:9.1f} {gm:10.1f}"
-              f" {xr:9.2f} {gr:10.2f}")
+        print(
+            f"  {name:24s} {len(walks_tokens[s]):6d} {xc:9.2f} {gc_:10.2f} {xm:9.1f} {gm:10.1f}"
+            f" {xr:9.2f} {gr:10.2f}"
+        )
     mask = g["per_token_us"]["mask"]["mean"] / x["per_token_us"]["mask"]["mean"]
     step = g["per_token_us"]["mask+accept"]["mean"] / x["per_token_us"]["mask+accept"]["mean"]
     compile_ = g["compile_ms"]["total"]["median"] / x["compile_ms"]["total"]["median"]
@@ -295,9 +302,11 @@ def report(args: argparse.Namespace, vocab: Vocab, setup: dict[str, float], summ
     step_gap_s = (g["per_token_us"]["mask+accept"]["mean"] - x["per_token_us"]["mask+accept"]["mean"]) / 1e6
     compile_gap_s = (x["compile_ms"]["total"]["median"] - g["compile_ms"]["total"]["median"]) / 1e3
     even = f"{compile_gap_s / step_gap_s:.0f} tokens" if step_gap_s > 0 and compile_gap_s > 0 else "n/a"
-    print(f"\nratio llguidance/xgrammar: per-token mask mean {mask:.2f}x, mask+accept mean {step:.2f}x, "
-          f"compile total median {compile_:.2f}x, whole request median {request:.2f}x; "
-          f"break-even output length (median compile, mean step) {even}")
+    print(
+        f"\nratio llguidance/xgrammar: per-token mask mean {mask:.2f}x, mask+accept mean {step:.2f}x, "
+        f"compile total median {compile_:.2f}x, whole request median {request:.2f}x; "
+        f"break-even output length (median compile, mean step) {even}"
+    )
 
 
 if __name__ == "__main__":

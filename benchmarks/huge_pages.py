@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers import hugepages
@@ -59,7 +58,9 @@ def weights_case(rows: int, forms: dict[str, list[Int8Rotated]]) -> None:
     side_by_side(f"weights, {rows} rows", {name: lambda m=mods: run(m) for name, mods in forms.items()})
 
 
-def attention_case(batch: int, context: int, kernel, variants: Callable[[tuple[int, int, int]], dict[str, list[LayerKV]]]) -> None:
+def attention_case(
+    batch: int, context: int, kernel, variants: Callable[[tuple[int, int, int]], dict[str, list[LayerKV]]]
+) -> None:
     """variants(pool shape) -> two named sets of LAYERS pools, timed in turns."""
     rng = random.Random(batch * 100003 + context)
     lengths = [rng.randint(max(1, context // 2), context) for _ in range(batch)]
@@ -86,7 +87,10 @@ def attention_case(batch: int, context: int, kernel, variants: Callable[[tuple[i
 
 def plain_and_huge_pools(shape: tuple[int, int, int]) -> dict[str, list[LayerKV]]:
     def pools(alloc) -> list[LayerKV]:
-        return [LayerKV(alloc(shape, torch.bfloat16).normal_(), alloc(shape, torch.bfloat16).normal_()) for _ in range(LAYERS)]
+        return [
+            LayerKV(alloc(shape, torch.bfloat16).normal_(), alloc(shape, torch.bfloat16).normal_())
+            for _ in range(LAYERS)
+        ]
 
     return {"plain": pools(lambda s, d: torch.empty(s, dtype=d)), "huge": pools(hugepages.empty)}
 
@@ -102,7 +106,10 @@ def main() -> None:
     if not hugepages.HUGE_PAGES_USABLE:
         raise SystemExit("transparent huge pages are not usable here: nothing to compare")
     torch.manual_seed(0)
-    plain = [Int8Rotated((torch.randn(n, k) * 0.05).bfloat16(), int8) for n, k in LAYER_SHAPES * LAYERS + [HEAD_SHAPE]]
+    plain = [
+        Int8Rotated((torch.randn(n, k) * 0.05).bfloat16(), int8)
+        for n, k in LAYER_SHAPES * LAYERS + [HEAD_SHAPE]
+    ]
     huge = [copy.copy(m) for m in plain]
     packed = hugepages.pack([t for m in huge for t in (m.packed, m.colsum, m.scale)])
     for i, m in enumerate(huge):

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, DenseBf16, Int8Rotated
@@ -53,10 +52,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
     table = forms(args)
-    print(f"{'rows':>4}  " + "  ".join(f"{name:>13}" for name in table) + "   (ms per pass; ratios: vs int8 x int8)")
+    print(
+        f"{'rows':>4}  "
+        + "  ".join(f"{name:>13}" for name in table)
+        + "   (ms per pass; ratios: vs int8 x int8)"
+    )
     for rows in map(int, args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).bfloat16() for _, k in LAYER_SHAPES + [HEAD_SHAPE]}
-        inputs.update({-k: torch.randint(-127, 128, (rows, k), dtype=torch.int8) for _, k in LAYER_SHAPES + [HEAD_SHAPE]})
+        inputs.update(
+            {
+                -k: torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+                for _, k in LAYER_SHAPES + [HEAD_SHAPE]
+            }
+        )
         names = [n for n in table if not (n.startswith("native") and rows > DENSE_BF16_MAX_ROWS)]
         runs: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(7):

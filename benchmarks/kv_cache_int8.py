@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from huge_pages import LAYERS, attention_case  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.kv_pool import LayerKV

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from _servers import Process  # benchmarks/ is on sys.path when run as a script
+
 from fornax.config import DEFAULT_MODEL
 
 SERVER_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--max-model-len", "4096",
@@ -168,9 +168,11 @@ def main() -> int:
     ratios = {
         "ttft_tiers_vs_cold": result["tiers"]["ttft_p50_ms"] / cold,
         "ttft_restart_vs_cold": result["restart"]["ttft_p50_ms"] / cold,
-        "throughput_host_vs_without": statistics.median(throughput["host"]) / statistics.median(throughput["without"]),
-        "throughput_host_disk_vs_without": (statistics.median(throughput["host+disk"])
-                                            / statistics.median(throughput["without"])),
+        "throughput_host_vs_without": statistics.median(throughput["host"])
+        / statistics.median(throughput["without"]),
+        "throughput_host_disk_vs_without": (
+            statistics.median(throughput["host+disk"]) / statistics.median(throughput["without"])
+        ),
     }
     result["ratios"] = ratios
     goals = {"ttft_tiers_vs_cold": ("<=", TTFT_GOAL), "ttft_restart_vs_cold": ("<=", RESTART_GOAL),

@@ -12,7 +12,6 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
 from _timing import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from fornax.layers.linear import SMALL_STEP_METHODS
@@ -32,9 +31,11 @@ def main() -> None:
     with torch.inference_mode():
         for rows in [int(r) for r in args.rows.split(",")]:
             xs = {s: torch.randn(rows, s[1], dtype=torch.bfloat16) for s in SHAPES}
-            results = {"bf16": [median_ms(lambda s=s: F.linear(xs[s], weights[s])) for s in SHAPES]}
+            results = {"bf16": [median_ms(lambda s=s, xs=xs: F.linear(xs[s], weights[s])) for s in SHAPES]}
             for name, per_shape in methods.items():
-                results[name] = [median_ms(lambda s=s: per_shape[s](xs[s])) for s in SHAPES]
+                results[name] = [
+                    median_ms(lambda s=s, xs=xs, per_shape=per_shape: per_shape[s](xs[s])) for s in SHAPES
+                ]
             for name, times in results.items():
                 cells = " ".join(f"{t:9.3f}" for t in times)
                 print(f"{rows:>4} {name:>6} {cells} {sum(times):9.3f}", flush=True)

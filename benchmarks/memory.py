@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from _servers import Process, free_port  # benchmarks/ is on sys.path when run as a script
+
 from fornax.config import DEFAULT_MODEL
 from fornax.models.registry import resolve_model
 
@@ -51,7 +51,8 @@ def load(url: str, out: Path, api_key: str | None) -> float:
     """The fixed load; its output tok/s."""
     cmd = [sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
            "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64",
-           "--num-warmups", "2", "--max-concurrency", "32", "--seed", "0", "--no-progress", "--json", str(out)]  # fmt: skip
+           "--num-warmups", "2", "--max-concurrency", "32", "--seed", "0", "--no-progress",
+           "--json", str(out)]  # fmt: skip
     if api_key:
         cmd += ["--api-key", api_key]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -162,8 +163,10 @@ def main() -> int:
     if args.llama_server:
         llama = result["llama_server"]
         kv_mib = llama["kv_bytes"] / MiB
-        print(f"\nllama-server: -c {llama['context_tokens']}, an f16 KV cache of {kv_mib:.1f} MiB "
-              f"(fornax: {args.kv} MiB)")
+        print(
+            f"\nllama-server: -c {llama['context_tokens']}, an f16 KV cache of {kv_mib:.1f} MiB "
+            f"(fornax: {args.kv} MiB)"
+        )
         ratio = result["fornax"]["rss_after"] / result["llama_server"]["rss_after"]
         result["ratio_after"] = ratio
         print(f"\nRSS after the load, fornax / llama-server: {ratio:.2f}x (goal <= {GOAL}x)")

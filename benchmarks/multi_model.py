@@ -44,7 +44,9 @@ def build(names: list[str]) -> list[AsyncEngine]:
     for name in names:
         config = EngineConfig(model=name, quantization="auto", large_step_quantization="w8a8",
                               scheduler=SchedulerConfig(max_model_len=2048))  # fmt: skip
-        t = threading.Thread(target=lambda c=config: engines.append(AsyncEngine.from_config(c, progress=False)))
+        t = threading.Thread(
+            target=lambda c=config: engines.append(AsyncEngine.from_config(c, progress=False))
+        )
         t.start()
         t.join()
     return engines
@@ -66,12 +68,16 @@ async def main_async(args: argparse.Namespace) -> None:
                 e.stop()
             if shared is not None:
                 shared.stop()
-    print(f"{len(names)} models ({', '.join(names)}), {args.streams} streams each, {args.tokens} tokens per request")
+    print(
+        f"{len(names)} models ({', '.join(names)}), {args.streams} streams each, {args.tokens} tokens per request"
+    )
     base = statistics.median(results["shared thread"])
     for arrangement, values in results.items():
         m = statistics.median(values)
-        print(f"{arrangement:<18} {m:8.1f} tokens/s  ({m / base:.2f}x)  rounds: "
-              + ", ".join(f"{v:.1f}" for v in values))
+        print(
+            f"{arrangement:<18} {m:8.1f} tokens/s  ({m / base:.2f}x)  rounds: "
+            + ", ".join(f"{v:.1f}" for v in values)
+        )
 
 
 def main() -> None:

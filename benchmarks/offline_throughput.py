@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fornax import LLM, SamplingParams  # noqa: E402
-from fornax.models.registry import resolve_model  # noqa: E402
+from fornax import LLM, SamplingParams
+from fornax.models.registry import resolve_model
 
 TEXT = [
     "Every morning the ferry crossed the bay twice, carrying commuters, bicycles and crates of "
@@ -242,8 +242,8 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
         wasted = 1 - r.useful_output_tokens / r.generated_tokens
         long = single.get("decode_2k")
         slow = f"{single['slowdown_2k']:>11.2f}x" if long else f"{'-':>12}"
-        print(f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} {single['decode']:>10.1f} "
-              f"{long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
+        print(f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} "
+              f"{single['decode']:>10.1f} {long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
     hf = next((x for x in results if x[0] == "hf"), None)
     if hf:
         print()
@@ -251,7 +251,8 @@ def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float
         for name, r, single in results:
             if name != "hf":
                 print(f"  {name:<{width}} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
-                      f"x{single['decode'] / hf[2]['decode']:.2f}  x{single['prefill'] / hf[2]['prefill']:.2f}")  # fmt: skip
+                      f"x{single['decode'] / hf[2]['decode']:.2f}  "
+                      f"x{single['prefill'] / hf[2]['prefill']:.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                          "each optionally +w8a8 for the larger ones (auto+w8a8) and +kv8 for int8 K/V "
                          "(--kv-cache-dtype int8: auto+w8a8+kv8)")  # fmt: skip
     ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
-    ap.add_argument("--decode-repeats", type=int, default=3, help="single-stream decode runs per prompt length")
+    ap.add_argument(
+        "--decode-repeats", type=int, default=3, help="single-stream decode runs per prompt length"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -285,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         quant = None if small == "none" else small
         large = "w8a8" if "w8a8" in extras else None
         kv_cache_dtype = "int8" if "kv8" in extras else "auto"
-        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large, kv_cache_dtype=kv_cache_dtype,
-                  kernel_backend=args.kernel_backend, progress=False)  # fmt: skip
+        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large,
+                  kv_cache_dtype=kv_cache_dtype, kernel_backend=args.kernel_backend, progress=False)  # fmt: skip
         tok = llm.get_tokenizer()
         work = build_workload(tok, num_prompts, args.seed, (32, 512), (64, 256))
         single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]

@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--windows", type=int, default=None, help="limit the number of 512-token windows")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--forms", default=None, help="only these forms (comma-separated; bf16, the anchor, always runs)")
+    ap.add_argument(
+        "--forms", default=None, help="only these forms (comma-separated; bf16, the anchor, always runs)"
+    )
     args = ap.parse_args()
     text = load_corpus()
 
@@ -78,7 +80,12 @@ def main() -> None:
     chunked = {"max_num_batched_tokens": 64}
     forms.append(("bf16 c64", chunked))
     forms.append(("bf16+kv8", {**chunked, "kv_cache_dtype": "int8"}))
-    forms.append(("auto+w8a8+kv8", {**chunked, "quantization": "auto", "large_step_quantization": "w8a8", "kv_cache_dtype": "int8"}))
+    forms.append(
+        (
+            "auto+w8a8+kv8",
+            {**chunked, "quantization": "auto", "large_step_quantization": "w8a8", "kv_cache_dtype": "int8"},
+        )
+    )
     if args.forms:
         wanted = {"bf16", *args.forms.split(",")}
         forms = [(name, kwargs) for name, kwargs in forms if name in wanted]
@@ -96,7 +103,10 @@ def main() -> None:
 
     base = rows[0][1].perplexity
     print()
-    print(f"perplexity, GPL-3 text, {rows[0][1].num_windows} windows of 512 tokens ({rows[0][1].num_scored_tokens} scored):")
+    print(
+        f"perplexity, GPL-3 text, {rows[0][1].num_windows} windows of 512 tokens "
+        f"({rows[0][1].num_scored_tokens} scored):"
+    )
     print(f"{'form':<13} {'perplexity':>10} {'vs bf16':>8}")
     for name, ppl in rows:
         print(f"{name:<13} {ppl.perplexity:>10.3f} {ppl.perplexity / base - 1:>+8.2%}")

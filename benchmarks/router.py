@@ -44,9 +44,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from _servers import Process  # benchmarks/ is on sys.path when run as a script
 from prometheus_client.parser import text_string_to_metric_families
 
-from _servers import Process  # benchmarks/ is on sys.path when run as a script
 from fornax.config import DEFAULT_MODEL
 
 POLICIES = ("cache-aware", "round-robin")
@@ -103,8 +103,11 @@ class Arm:
     def to_dict(self) -> dict[str, Any]:
         """For the JSON report: TTFT as percentiles, not every request's."""
         out = {k: v for k, v in asdict(self).items() if k != "ttft_ms"}
-        return out | {"hit_rate": self.hit_rate, "ttft_p50_ms": percentile(self.ttft_ms, 50),
-                      "ttft_p90_ms": percentile(self.ttft_ms, 90)}
+        return out | {
+            "hit_rate": self.hit_rate,
+            "ttft_p50_ms": percentile(self.ttft_ms, 50),
+            "ttft_p90_ms": percentile(self.ttft_ms, 90),
+        }
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
@@ -276,10 +279,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=1000, help="tokens per shared prefix")
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--kv-prefixes", type=float, default=4.5,
-                   help="each replica's KV cache, in requests' worth of tokens (prefix + suffix + output)")
-    p.add_argument("--kv-blocks", type=int, default=None, help="each replica's KV cache in 16-token blocks "
-                   "(overrides --kv-prefixes)")
+    p.add_argument(
+        "--kv-prefixes",
+        type=float,
+        default=4.5,
+        help="each replica's KV cache, in requests' worth of tokens (prefix + suffix + output)",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="each replica's KV cache in 16-token blocks (overrides --kv-prefixes)",
+    )
     p.add_argument("--latency-requests", type=int, default=500, help="b: requests each way")
     p.add_argument("--skip-policies", action="store_true", help="only b")
     p.add_argument("--skip-latency", action="store_true", help="only a")

@@ -102,7 +102,23 @@ _TOPICS = ("the sea", "a compiler", "autumn", "the moon", "bread", "a violin", "
            "glaciers", "bees", "a train station", "tea", "volcanoes", "a library", "the wind")  # fmt: skip
 _ASKS = ("Write a short note about", "Describe", "Explain in simple words", "List three facts about",
          "Tell a tiny story about", "Summarize what you know about")  # fmt: skip
-_FILLER = "please keep it brief and clear for a curious reader who has little time today".split()
+_FILLER = [
+    "please",
+    "keep",
+    "it",
+    "brief",
+    "and",
+    "clear",
+    "for",
+    "a",
+    "curious",
+    "reader",
+    "who",
+    "has",
+    "little",
+    "time",
+    "today",
+]
 
 
 def _prompt(rng: random.Random) -> str:
@@ -193,7 +209,8 @@ MALFORMED: tuple[tuple[str, str, Callable[[str], bytes]], ...] = (
     ("top_logprobs_alone", CHAT, lambda m: _json_bytes(_chat(m, top_logprobs=3))),
     ("stream_options_no_stream", COMPLETIONS,
      lambda m: _json_bytes(_completion(m, stream_options={"include_usage": True}))),
-    ("deep_nesting", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": %s%s}' % (m.encode(), b"[" * 20000, b"]" * 20000)),
+    ("deep_nesting", COMPLETIONS,
+     lambda m: b'{"model": "%s", "prompt": %s%s}' % (m.encode(), b"[" * 20000, b"]" * 20000)),
 )  # fmt: skip
 
 
@@ -562,8 +579,8 @@ class SoakReport:
             f"  outcomes    completed {o[COMPLETED]}, disconnected {o[DISCONNECTED]} (before headers "
             f"{p['before_headers']}, mid-body {p['mid_body']}), rejected 4xx {o[REJECTED]}, failed {o[FAILED]}, "
             f"hung {o[HUNG]}",
-            f"  by kind     " + ", ".join(f"{k}/{out} {n}" for (k, out), n in sorted(self.by_kind.items())),
-            f"  statuses    " + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
+            "  by kind     " + ", ".join(f"{k}/{out} {n}" for (k, out), n in sorted(self.by_kind.items())),
+            "  statuses    " + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
             + f"  (5xx: {self.num_5xx}); the server's count of errors: {_statuses(self.server_errors)}",
             f"  RSS         start {mib(self.rss_start)}, {self._warm_text()}end of first {self.rss_window} "
             f"{mib(self.rss_first)}, "
@@ -719,8 +736,11 @@ class OwnServer:
         cmd = [sys.executable, "-m", "fornax.cli", "serve", model, "--host", "127.0.0.1", "--port",
                str(self.port), *MAKE_RUN_FLAGS, *extra_args]  # fmt: skip
         self.command = " ".join(cmd[3:])
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        # The log stays open until stop(): pop_all() hands it over once the server has started.
+        with contextlib.ExitStack() as files:
+            self._log = files.enter_context(open(log_path, "wb"))
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            self._files = files.pop_all()
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -742,7 +762,7 @@ class OwnServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self._files.close()
         return int(self.proc.returncode)
 
 
@@ -759,13 +779,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disconnect-fraction", type=float, default=0.2)
     parser.add_argument("--malformed-fraction", type=float, default=0.05)
     parser.add_argument("--max-tokens", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"))
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds before a request counts as hung"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rss-window", type=int, default=1000, help="requests in the first (and last) RSS window")
+    parser.add_argument(
+        "--rss-window", type=int, default=1000, help="requests in the first (and last) RSS window"
+    )
     parser.add_argument("--progress-every", type=int, default=250)
-    parser.add_argument("--no-kv-warmup", action="store_true", help="measure RSS without writing the KV pool first")
+    parser.add_argument(
+        "--no-kv-warmup", action="store_true", help="measure RSS without writing the KV pool first"
+    )
     parser.add_argument("--server-log", type=Path, help="where the started server writes its log")
-    parser.add_argument("--server-arg", action="append", default=[], help="a further flag for the started server")
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="a further flag for the started server"
+    )
     args = parser.parse_args(argv)
     if not (args.requests >= 1 and args.concurrency >= 1 and 1 <= args.max_tokens[0] <= args.max_tokens[1]):
         parser.error("--requests, --concurrency and --max-tokens must be positive (MIN <= MAX)")

@@ -7,8 +7,8 @@ given passage, code edits), where n-gram lookup should shine, and open-ended one
 should cost next to nothing. Each proposer runs single-stream (one request at a time; the
 median decode speed over the prompts) and 8-stream (8 requests together; generated tokens
 over the decode window). Cells are interleaved across proposers and repeated `--rounds`
-times (every other round in reverse order); the table shows medians over rounds. Speeds are decode tokens/s after the first token; ratios are
-against no speculation in the same run.
+times (every other round in reverse order); the table shows medians over rounds. Speeds are
+decode tokens/s after the first token; ratios are against no speculation in the same run.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ CODE = (
 GROUNDED = [
     f"Rewrite this passage in the past perfect tense, keeping every detail:\n\n{PASSAGE}",
     f"Copy this passage exactly, but replace 'harbour' with 'port':\n\n{PASSAGE}",
-    f"Fix the spelling and return the full text:\n\nThe harbor town woke slowley. Fishing boats that had "
-    f"left before dawn were allready turning back, gulls wheeling over thier wakes.",
+    "Fix the spelling and return the full text:\n\nThe harbor town woke slowley. Fishing boats that had "
+    "left before dawn were allready turning back, gulls wheeling over thier wakes.",
     f"Rename the variable `result` to `amount` in this Python function and return the code:\n\n{CODE}",
     f"Add a docstring to this function and return the whole function:\n\n{CODE}",
     f"Summarize this passage in a few sentences, reusing its words:\n\n{PASSAGE}",
@@ -78,7 +78,10 @@ def _batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[s
 def _spec_stats(outs) -> dict[str, float]:  # type: ignore[no-untyped-def]
     acc = [o.timings["spec_acceptance_rate"] for o in outs if "spec_acceptance_rate" in o.timings]
     mal = [o.timings["spec_mean_accepted_len"] for o in outs if "spec_mean_accepted_len" in o.timings]
-    return {"acceptance": statistics.mean(acc) if acc else 0.0, "mean_accepted_len": statistics.mean(mal) if mal else 1.0}
+    return {
+        "acceptance": statistics.mean(acc) if acc else 0.0,
+        "mean_accepted_len": statistics.mean(mal) if mal else 1.0,
+    }
 
 
 def main() -> None:
@@ -88,9 +91,13 @@ def main() -> None:
     ap.add_argument("--single-prompts", type=int, default=3, help="prompts per workload run one at a time")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; cells report medians")
     ap.add_argument("--row-cost", type=float, default=None, help="override the adaptive rule's row_cost")
-    ap.add_argument("--quantization", default="none", help="the target's weights: none (dense bf16), int8, int4, auto")
+    ap.add_argument(
+        "--quantization", default="none", help="the target's weights: none (dense bf16), int8, int4, auto"
+    )
     ap.add_argument("--large-step-quantization", default=None, help="w8a8: int8 x int8 past the small steps")
-    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="override the adaptive rule's batch limit")
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="override the adaptive rule's batch limit"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -106,7 +113,9 @@ def main() -> None:
     tok = engines["none"].get_tokenizer()
 
     def chat(text: str) -> list[int]:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
 
     loads = {"grounded": [chat(t) for t in GROUNDED], "open": [chat(t) for t in OPEN]}
     warm = SamplingParams(max_tokens=16, temperature=0.0)

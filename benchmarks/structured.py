@@ -35,10 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fornax import LLM, SamplingParams  # noqa: E402
-from fornax.engine.structured.backend import GrammarBackend  # noqa: E402
-from fornax.engine.structured.spec import StructuredOutputsParams  # noqa: E402
-from tests.structured.schemas import SCHEMAS  # noqa: E402
+from fornax import LLM, SamplingParams
+from fornax.engine.structured.backend import GrammarBackend
+from fornax.engine.structured.spec import StructuredOutputsParams
+from tests.structured.schemas import SCHEMAS
 
 CATALOG = {
     "type": "object",
@@ -69,8 +69,10 @@ TOPICS = ["a bakery", "a hardware shop", "a toy store", "a bookshop", "a clothin
 def _prompts(llm: LLM, streams: int) -> list[list[int]]:
     tok = llm.get_tokenizer()
     return [
-        tok.apply_chat_template([{"role": "user", "content": f"Write the product catalogue of {TOPICS[i % len(TOPICS)]} "
-                                 f"(number {i}) as JSON."}], add_generation_prompt=True, tokenize=True)
+        tok.apply_chat_template([{"role": "user",
+                                  "content": f"Write the product catalogue of {TOPICS[i % len(TOPICS)]} "
+                                             f"(number {i}) as JSON."}],
+                                add_generation_prompt=True, tokenize=True)
         for i in range(streams)
     ]  # fmt: skip
 
@@ -130,7 +132,7 @@ def compile_times(llm: LLM) -> dict:
     backend._get_compiler()  # the one-off tokenizer table
     setup = time.perf_counter() - start
     times = []
-    for name, schema, _ in SCHEMAS:
+    for _name, schema, _ in SCHEMAS:
         start = time.perf_counter()
         backend.compile(StructuredOutputsParams(json=schema))
         times.append((time.perf_counter() - start) * 1e3)
@@ -139,7 +141,9 @@ def compile_times(llm: LLM) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--json", default=None)
@@ -148,7 +152,8 @@ def main() -> None:
     results = {"compile": compile_times(llm), "decode": []}
     c = results["compile"]
     print(f"grammar compile ({c['num_schemas']} schemas, cold): median {c['compile_ms_median']:.1f} ms, "
-          f"max {c['compile_ms_max']:.1f} ms; xgrammar import + tokenizer table {c['tokenizer_setup_ms']:.0f} ms once")  # fmt: skip
+          f"max {c['compile_ms_max']:.1f} ms; xgrammar import + tokenizer table "
+          f"{c['tokenizer_setup_ms']:.0f} ms once")  # fmt: skip
     print(f"{'streams':>7} {'free tok/s':>10} {'mode':>13} {'tok/s':>7} {'ratio':>6} {'tokens':>6} "
           f"{'mask us/tok':>11} {'after fwd us/step':>17} {'cut':>4}")  # fmt: skip
     for streams in (int(s) for s in args.streams.split(",")):

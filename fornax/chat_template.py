@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 from jinja2 import nodes
@@ -97,9 +97,15 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _tick()
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
-            if right > 0 and abs(left).bit_length() * right > _MAX_INT_BITS:
-                raise ChatTemplateError("chat template computed a number that is too large")
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and right > 0
+            and abs(left).bit_length() * right > _MAX_INT_BITS
+        ):
+            raise ChatTemplateError("chat template computed a number that is too large")
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, str | list | tuple) and isinstance(n, int):
@@ -121,7 +127,7 @@ class _GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it):
     renders its body unchanged."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: Any) -> list[nodes.Node]:
         next(parser.stream)
@@ -207,7 +213,7 @@ def render_chat_template(source: str, context: dict[str, Any]) -> str:
         return "".join(chunks)
     except ChatTemplateError:
         raise
-    except Exception as exc:  # noqa: BLE001 - template code may raise anything
+    except Exception as exc:
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     finally:
         _BUDGET.reset(token)

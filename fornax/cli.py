@@ -69,33 +69,63 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, "serve", groups=(MODEL,))
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use for the model (repeatable; default: the model argument); "
-                        "with several models, one per model, in their order")
-    p.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
-                   help="load models on first request and keep at most K, unloading the least recently "
-                        "used idle one (default: all loaded at start-up)")
-    p.add_argument("--model-load-timeout", type=float, default=defaults.model_load_timeout_s,
-                   help="seconds a request waits for its model to load")
-    p.add_argument("--api-key", action="append", default=[],
-                   help="a user's key, optionally name:key (repeatable); users see only their own requests")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="name(s) clients use for the model (repeatable; default: the model argument); "
+        "with several models, one per model, in their order",
+    )
+    p.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="K",
+        help="load models on first request and keep at most K, unloading the least recently "
+        "used idle one (default: all loaded at start-up)",
+    )
+    p.add_argument(
+        "--model-load-timeout",
+        type=float,
+        default=defaults.model_load_timeout_s,
+        help="seconds a request waits for its model to load",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a user's key, optionally name:key (repeatable); users see only their own requests",
+    )
     p.add_argument("--api-key-file", default=None, help="file with one user key (or name:key) per line")
     _add_tenancy_args(p)
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=defaults.access_log)
     p.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
-    p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
-                   help="seconds in-flight requests get to finish on SIGTERM")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
-                   help="how tool calls are read from output under tool_choice=auto (auto: by chat template)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout_s,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json"],
+        help="how tool calls are read from output under tool_choice=auto (auto: by chat template)",
+    )
     limits = p.add_argument_group("per-request limits")
     for name, kind in [("max_queued_requests", int), ("max_body_bytes", int), ("max_n", int),
                        ("max_tokens_limit", int), ("max_stop_strings", int), ("max_stop_string_chars", int),
                        ("max_logit_bias", int), ("max_top_logprobs", int), ("max_messages", int),
                        ("max_prompts", int), ("max_queued_sequences", int), ("max_request_tokens", int)]:  # fmt: skip
         limits.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
-    limits.add_argument("--privileged-key", action="append", default=[], metavar="NAME",
-                        help="key name that may send negative priorities (repeatable; admin keys may too)")
+    limits.add_argument(
+        "--privileged-key",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="key name that may send negative priorities (repeatable; admin keys may too)",
+    )
     EngineArgs.add_cli_args(p, "serve", groups=(ENGINE, TIERS, SPECULATIVE))
 
 
@@ -109,16 +139,28 @@ def _add_tenancy_args(p: argparse.ArgumentParser) -> None:
                    help="key: a key's requests reuse only its own cached prompt blocks, so cached_tokens "
                         "reveals nothing about other keys' prompts; global: all share one cache "
                         "(default: key when any key is configured, else global)")  # fmt: skip
-    limits = p.add_argument_group("per-key rate limits (429 with Retry-After when exceeded; see /admin/usage)")
+    limits = p.add_argument_group(
+        "per-key rate limits (429 with Retry-After when exceeded; see /admin/usage)"
+    )
     limits.add_argument("--key-limits", default=None, metavar="FILE",
                         help='JSON: {"alice": {"requests_per_minute": 60, "tokens_per_minute": 20000}, '
                              '"*": {...every other key...}}; a key\'s entry overrides the defaults field by '
                              "field (null: unlimited)")  # fmt: skip
-    limits.add_argument("--rate-limit-rpm", type=int, default=None, metavar="N",
-                        help="default requests per minute for every key (over any 60 s window)")
-    limits.add_argument("--rate-limit-tpm", type=int, default=None, metavar="M",
-                        help="default tokens per minute for every key: a request reserves its prompt plus "
-                             "max_tokens per choice when admitted, corrected to the tokens used when it ends")  # fmt: skip
+    limits.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        default=None,
+        metavar="N",
+        help="default requests per minute for every key (over any 60 s window)",
+    )
+    limits.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=None,
+        metavar="M",
+        help="default tokens per minute for every key: a request reserves its prompt plus "
+        "max_tokens per choice when admitted, corrected to the tokens used when it ends",
+    )
 
 
 def _tenancy_config(args: argparse.Namespace) -> dict:
@@ -218,7 +260,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     if args.replicas > 1 and len(serve_models(args)) > 1:
-        raise ConfigError("--replicas runs copies of one model; serve several models without it, or one cluster each")
+        raise ConfigError(
+            "--replicas runs copies of one model; serve several models without it, or one cluster each"
+        )
     if args.replicas > 1:  # N replicas on Ray behind the router (fornax/cluster)
         from fornax.cluster.cli import serve_replicas
 
@@ -244,9 +288,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )  # fmt: skip
     engine_config = EngineArgs.from_cli_args(args, model=models[0]).create_engine_config()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # every model with the same engine flags
-    served = [ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)]
+    served = [
+        ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)
+    ]
     return serve(server_config, served)
 
 

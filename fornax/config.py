@@ -125,7 +125,9 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+            raise ConfigError(
+                f"unsupported activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})"
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ConfigError("layer_types must name one attention type per layer")
@@ -135,7 +137,11 @@ class ModelConfig:
     @property
     def interleaves_sliding_window(self) -> bool:
         """Whether some layers attend within the window and others over the whole context."""
-        return self.sliding_window is not None and self.layer_types is not None and len(set(self.layer_types)) > 1
+        return (
+            self.sliding_window is not None
+            and self.layer_types is not None
+            and len(set(self.layer_types)) > 1
+        )
 
 
 # The gated MLP's activation: SwiGLU (Llama family) or GeGLU with tanh-approximated GELU (Gemma).
@@ -161,7 +167,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -197,11 +205,17 @@ class OffloadConfig:
         if self.host_memory < 0 or self.disk_bytes <= 0:
             raise ConfigError("kv offload sizes must be positive (host memory 0 turns the tiers off)")
         if self.dtype not in KV_OFFLOAD_DTYPES:
-            raise ConfigError(f"kv offload dtype must be one of {', '.join(KV_OFFLOAD_DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(
+                f"kv offload dtype must be one of {', '.join(KV_OFFLOAD_DTYPES)}, got {self.dtype!r}"
+            )
         if self.disk_dir is not None and not self.host_memory:
-            raise ConfigError("--kv-offload-dir needs --kv-offload-memory: blocks reach the disk tier through host memory")
+            raise ConfigError(
+                "--kv-offload-dir needs --kv-offload-memory: blocks reach the disk tier through host memory"
+            )
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
-            raise ConfigError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+            raise ConfigError(
+                f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
+            )
         if self.preemption_mode == "swap" and not self.host_memory:
             raise ConfigError("preemption mode 'swap' needs a host tier (--kv-offload-memory)")
 
@@ -320,7 +334,9 @@ class SpeculativeConfig:
             raise ConfigError("method 'self' needs 'draft_layers' and/or 'quantization'")
         if (self.disable_by_batch_size or 0) < 0:
             raise ConfigError("disable_by_batch_size must be >= 0")
-        if (self.row_cost is not None and self.row_cost < 0) or (self.draft_cost is not None and self.draft_cost < 0):
+        if (self.row_cost is not None and self.row_cost < 0) or (
+            self.draft_cost is not None and self.draft_cost < 0
+        ):
             raise ConfigError("row_cost and draft_cost must be >= 0")
 
     @classmethod
@@ -407,7 +423,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError(f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}")
+            raise ConfigError(
+                f"quantization must be None, 'int8', 'int4' or 'auto', got {self.quantization!r}"
+            )
         if self.small_step_max_rows is None:
             rows = SMALL_STEP_MAX_ROWS_W8A8 if self.large_step_quantization == "w8a8" else SMALL_STEP_MAX_ROWS
             object.__setattr__(self, "small_step_max_rows", rows)  # still being built
@@ -415,12 +433,18 @@ class EngineConfig:
             raise ConfigError("small_step_max_rows must be >= 0")
         if self.large_step_quantization not in LARGE_STEP_METHODS:
             names = ", ".join(repr(m) for m in LARGE_STEP_METHODS)
-            raise ConfigError(f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}")
+            raise ConfigError(
+                f"large_step_quantization must be one of {names}, got {self.large_step_quantization!r}"
+            )
         if self.large_step_min_rows < 1:
             raise ConfigError("large_step_min_rows must be >= 1")
         if self.lm_head_quantization not in LM_HEAD_METHODS:
-            raise ConfigError(f"lm_head_quantization must be None or 'int4', got {self.lm_head_quantization!r}")
-        if self.large_step_quantization == "w8a8" and (self.dtype != "bfloat16" or self.kernel_backend != "native"):
+            raise ConfigError(
+                f"lm_head_quantization must be None or 'int4', got {self.lm_head_quantization!r}"
+            )
+        if self.large_step_quantization == "w8a8" and (
+            self.dtype != "bfloat16" or self.kernel_backend != "native"
+        ):
             raise ConfigError(
                 "large_step_quantization 'w8a8' runs on the native kernels with bfloat16 activations: "
                 f"it needs dtype 'bfloat16' and kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
@@ -448,7 +472,9 @@ def env_admin_key_file() -> str | None:
     return os.environ.get("FORNAX_ADMIN_KEY_FILE") or None
 
 
-def load_api_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None = None) -> tuple[tuple[str, str], ...]:
+def load_api_keys(
+    keys: list[str] | tuple[str, ...] = (), key_file: str | None = None
+) -> tuple[tuple[str, str], ...]:
     """(name, key) pairs of user keys from `--api-key` values, FORNAX_API_KEY and a key file.
 
     A key file holds one key per line, optionally `name:key`; blank lines and `#` comments are
@@ -458,13 +484,17 @@ def load_api_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None =
     return _load_keys(list(keys), env_api_key(), key_file or env_api_key_file(), "key")
 
 
-def load_admin_keys(keys: list[str] | tuple[str, ...] = (), key_file: str | None = None) -> tuple[tuple[str, str], ...]:
+def load_admin_keys(
+    keys: list[str] | tuple[str, ...] = (), key_file: str | None = None
+) -> tuple[tuple[str, str], ...]:
     """Operator keys, as `load_api_keys`, from `--admin-key`, FORNAX_ADMIN_KEY and
     `--admin-key-file` (or FORNAX_ADMIN_KEY_FILE); unnamed ones are called `admin-<n>`."""
     return _load_keys(list(keys), env_admin_key(), key_file or env_admin_key_file(), "admin")
 
 
-def _load_keys(raw: list[str], env_key: str | None, path: str | None, prefix: str) -> tuple[tuple[str, str], ...]:
+def _load_keys(
+    raw: list[str], env_key: str | None, path: str | None, prefix: str
+) -> tuple[tuple[str, str], ...]:
     if env_key:
         raw.append(env_key)
     if path:
@@ -472,11 +502,15 @@ def _load_keys(raw: list[str], env_key: str | None, path: str | None, prefix: st
             text = Path(path).expanduser().read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read the API key file {path}: {exc.strerror}") from exc
-        raw += [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+        raw += [
+            line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")
+        ]
     pairs: list[tuple[str, str]] = []
     for n, entry in enumerate(raw, start=1):
         name, sep, key = entry.partition(":")
-        name, key = (name.strip(), key.strip()) if sep and name.strip() and key.strip() else (f"{prefix}-{n}", entry)
+        name, key = (
+            (name.strip(), key.strip()) if sep and name.strip() and key.strip() else (f"{prefix}-{n}", entry)
+        )
         if not key:
             raise ConfigError("an API key must not be empty")
         pairs.append((name, key))
@@ -539,7 +573,9 @@ def _read_key_limits(path: str) -> dict[str, dict[str, int | None]]:
     for name, fields_ in value.items():
         unknown = sorted(set(fields_) - set(RATE_LIMIT_FIELDS))
         if unknown:
-            raise ConfigError(f"key limits for {name!r}: unknown field(s) {unknown}; known: {list(RATE_LIMIT_FIELDS)}")
+            raise ConfigError(
+                f"key limits for {name!r}: unknown field(s) {unknown}; known: {list(RATE_LIMIT_FIELDS)}"
+            )
     return value
 
 

@@ -38,7 +38,9 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine argument(s) {unknown}: the engine's settings are "
                             "the fields of EngineArgs (fornax/engine_args.py)")  # fmt: skip
         self.engine_args = EngineArgs(model=model, dtype=dtype, **engine_args)
-        self.engine: EngineCore = build_engine_core(self.engine_args.create_engine_config(), progress=progress)
+        self.engine: EngineCore = build_engine_core(
+            self.engine_args.create_engine_config(), progress=progress
+        )
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -100,9 +102,12 @@ class LLM:
         plan = plan_tools(tools, tool_choice, parallel_tool_calls, tok.chat_template, tool_call_parser)
         template_tools = plan.tools if plan.template_supports_tools else None
         prompts: list[Prompt] = [
-            tok.apply_chat_template(prepare_messages(list(conv), plan.tools, plan.template_supports_tools),
-                                    add_generation_prompt=add_generation_prompt, tools=template_tools,
-                                    tokenize=True)  # fmt: skip
+            tok.apply_chat_template(
+                prepare_messages(list(conv), plan.tools, plan.template_supports_tools),
+                add_generation_prompt=add_generation_prompt,
+                tools=template_tools,
+                tokenize=True,
+            )
             for conv in conversations  # type: ignore[union-attr]
         ]
         params = _as_params_list(sampling_params, len(prompts))
@@ -162,7 +167,9 @@ def _accumulate(result: RequestOutput, out: EngineOutput) -> None:
     comp.token_ids.extend(out.new_token_ids)
     if out.new_logprobs:
         comp.logprobs = (comp.logprobs or []) + out.new_logprobs
-        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(lp.logprob for lp in out.new_logprobs)
+        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
+            lp.logprob for lp in out.new_logprobs
+        )
     if out.prompt_logprobs is not None and result.prompt_logprobs is None:
         result.prompt_logprobs = [None, *out.prompt_logprobs]
     result.num_cached_tokens = out.num_cached_tokens

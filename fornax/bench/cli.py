@@ -27,8 +27,14 @@ from fornax.bench import client as bench_client
 from fornax.bench import workloads
 from fornax.bench.client import RequestResult, Target
 from fornax.bench.plot import plot_run, plot_sweep
-from fornax.bench.report import (Summary, format_sweep_table, format_table, parse_goodput, run_report,
-                                 summarize)
+from fornax.bench.report import (
+    Summary,
+    format_sweep_table,
+    format_table,
+    parse_goodput,
+    run_report,
+    summarize,
+)
 
 CALIBRATION_WORDS = 400
 
@@ -66,8 +72,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--suffix-len", type=int, default=32)
     d.add_argument("--output-len", type=int, default=None,
                    help="override the output length of sharegpt / builtin prompts")  # fmt: skip
-    d.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="force exactly max_tokens (default: on for random/prefix-repetition, off otherwise)")
+    d.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force exactly max_tokens (default: on for random/prefix-repetition, off otherwise)",
+    )
     d.add_argument("--tokenize-calibration", action=argparse.BooleanOptionalAction, default=True,
                    help="size random text with the server's POST /tokenize when it has one")  # fmt: skip
     a = p.add_argument_group("arrivals")
@@ -170,7 +180,7 @@ def _config(args: argparse.Namespace, model: str, base_url: str, tpw: float) -> 
     cfg = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
     cfg.pop("api_key", None)  # never write a secret into a report
     cfg.update(model=model, base_url=base_url, tokens_per_word=tpw,
-               started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
+               started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))  # fmt: skip
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in cfg.items()}
 
 
@@ -216,8 +226,10 @@ def _print_errors(results: list[RequestResult], limit: int = 3) -> None:
 def _write_outputs(args: argparse.Namespace, config: dict[str, Any], runs: list[Run], sweep: bool) -> None:
     if args.json:
         if sweep:
-            doc: dict[str, Any] = {"config": config, "levels": [
-                {"max_concurrency": c, **run_report(config, s, res)} for c, s, res in runs]}
+            doc: dict[str, Any] = {
+                "config": config,
+                "levels": [{"max_concurrency": c, **run_report(config, s, res)} for c, s, res in runs],
+            }
             for level in doc["levels"]:
                 level.pop("config")
         else:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import numpy as np
@@ -178,7 +179,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
         result.error = str(exc)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    except Exception as exc:  # noqa: BLE001 - one odd request must never end the run
+    except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 

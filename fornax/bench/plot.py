@@ -63,7 +63,7 @@ def _throughput_panel(ax: Any, results: list[RequestResult], summary: Summary) -
     ax.grid(alpha=0.3)
     tw = _token_times(results)
     span = max(summary.duration_s, float(tw[0].max()) if tw.shape[1] else 0.0, 1e-3)
-    bins = max(1, min(60, int(math.ceil(span / 0.25))))
+    bins = max(1, min(60, math.ceil(span / 0.25)))
     edges = np.linspace(0.0, span, bins + 1)
     hist, _ = np.histogram(tw[0], bins=edges, weights=tw[1])
     ax.plot((edges[:-1] + edges[1:]) / 2, hist / np.diff(edges), color="tab:blue", label="output tok/s")

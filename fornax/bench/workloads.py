@@ -7,6 +7,7 @@ talks to a server; the CLI may measure `tokens_per_word` over HTTP first and pas
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -101,8 +102,9 @@ def prefix_repetition_workload(num_prompts: int, prefix_len: int, num_prefixes: 
     prefill its suffix: compare TTFT with caching on and off to see the gain.
     """
     if num_prefixes < 1 or prefix_len < 1 or suffix_len < 0 or output_len < 1:
-        raise ValueError("--num-prefixes, --prefix-len and --random-output-len must be >= 1, "
-                         "--suffix-len >= 0")
+        raise ValueError(
+            "--num-prefixes, --prefix-len and --random-output-len must be >= 1, --suffix-len >= 0"
+        )
     rng = np.random.default_rng(seed)
     prefixes = [random_text(rng, prefix_len, tokens_per_word) for _ in range(num_prefixes)]
     out: list[BenchRequest] = []
@@ -117,7 +119,7 @@ def prefix_repetition_workload(num_prompts: int, prefix_len: int, num_prefixes: 
 def _first_exchange(conversation: dict) -> tuple[str, str] | None:
     """The first human turn and the gpt turn that answers it, or None."""
     turns = conversation.get("conversations") or conversation.get("conversation") or []
-    for a, b in zip(turns, turns[1:]):
+    for a, b in itertools.pairwise(turns):
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return None
         if a.get("from") in ("human", "user") and b.get("from") in ("gpt", "assistant"):

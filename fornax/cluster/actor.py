@@ -67,7 +67,7 @@ class ReplicaActor:
         if healthy:
             try:
                 load = self._server.load()
-            except Exception:  # noqa: BLE001 - a missed sample; the next poll reads it again
+            except Exception:
                 load = None
         return ReplicaStatus(self._server.url, healthy, load, self._server.pid)
 

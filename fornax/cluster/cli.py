@@ -31,32 +31,53 @@ _OWN_DESTS = {"model_arg", "model", "host", "port", "num_threads", "shutdown_tim
 
 
 def add_replicas_arg(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("--replicas", type=int, default=1,
-                       help="N > 1: N replicas on a local Ray runtime behind `fornax router` on "
-                            "--host/--port (`fornax cluster up` with min = max = N; needs fornax[cluster])")  # fmt: skip
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: N replicas on a local Ray runtime behind `fornax router` on "
+        "--host/--port (`fornax cluster up` with min = max = N; needs fornax[cluster])",
+    )
 
 
 def add_cluster_parser(sub: Any) -> None:
     from fornax.cli import _add_serve_args  # the serve flags: the pass-through is checked and documented
     from fornax.router.policies import policy_names
 
-    cluster = sub.add_parser("cluster", help="run replicas on Ray behind the router, restarted and autoscaled")  # fmt: skip
+    cluster = sub.add_parser(
+        "cluster", help="run replicas on Ray behind the router, restarted and autoscaled"
+    )
     actions = cluster.add_subparsers(dest="cluster_command", required=True)
     up = actions.add_parser("up", help="start a cluster and run it until SIGTERM/Ctrl-C (then drain it)")
     _add_serve_args(up)
     up.set_defaults(port=DEFAULT_ROUTER_PORT)  # --host/--port: the router's here
     g = up.add_argument_group("cluster")
-    g.add_argument("--router-port", dest="port", type=int, help=f"same as --port (default {DEFAULT_ROUTER_PORT})")  # fmt: skip
-    g.add_argument("--replicas", type=int, default=None, help="replicas to start (default: --min-replicas or 1)")  # fmt: skip
+    g.add_argument(
+        "--router-port", dest="port", type=int, help=f"same as --port (default {DEFAULT_ROUTER_PORT})"
+    )
+    g.add_argument(
+        "--replicas", type=int, default=None, help="replicas to start (default: --min-replicas or 1)"
+    )
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling floor (default: --replicas)")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling ceiling (default: --replicas)")
-    g.add_argument("--threads-per-replica", dest="num_threads", type=int, default=None,
-                   help="each replica's compute threads and Ray CPUs (default: the cluster's CPUs / max replicas)")  # fmt: skip
+    g.add_argument(
+        "--threads-per-replica",
+        dest="num_threads",
+        type=int,
+        default=None,
+        help="each replica's compute threads and Ray CPUs (default: the cluster's CPUs / max replicas)",
+    )
     g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one here)")
-    g.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names(), help="the router's routing policy")  # fmt: skip
+    g.add_argument(
+        "--policy", default=DEFAULT_POLICY, choices=policy_names(), help="the router's routing policy"
+    )
     s, r = ScalingPolicy(), ClusterConfig(replica=ReplicaSpec(model=""))
-    g.add_argument("--target-waiting", type=float, default=s.target_waiting,
-                   help="scale up when the average fornax:num_requests_waiting per replica stays above this")  # fmt: skip
+    g.add_argument(
+        "--target-waiting",
+        type=float,
+        default=s.target_waiting,
+        help="scale up when the average fornax:num_requests_waiting per replica stays above this",
+    )
     g.add_argument("--scale-down-waiting", type=float, default=s.scale_down_waiting,
                    help="scale down when it stays at or below this")  # fmt: skip
     g.add_argument("--scale-up-delay", type=float, default=s.scale_up_delay_s, help="seconds above target")
@@ -82,7 +103,9 @@ def cluster_up(args: argparse.Namespace) -> int:
     _require_ray()
     from fornax.cluster.controller import ClusterController, ClusterError
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per membership poll
     controller = ClusterController(config)
     try:
@@ -139,12 +162,15 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     ray_address = getattr(args, "ray_address", None)
     serve_args, metrics_key = passthrough_args(args)
     replica = ReplicaSpec(
-        model=args.model_arg or (args.model or [DEFAULT_MODEL])[0], serve_args=tuple(serve_args), num_threads=args.num_threads,
+        model=args.model_arg or (args.model or [DEFAULT_MODEL])[0],
+        serve_args=tuple(serve_args),
+        num_threads=args.num_threads,
         # A local Ray runtime: replicas on loopback, reached only through the router. On a Ray
         # cluster they run on other machines: their node's address.
         host="127.0.0.1" if ray_address is None else None,
-        shutdown_timeout_s=args.shutdown_timeout, metrics_key=metrics_key,
-    )  # fmt: skip
+        shutdown_timeout_s=args.shutdown_timeout,
+        metrics_key=metrics_key,
+    )
     defaults = ClusterConfig(replica=replica)
     return ClusterConfig(
         replica=replica, scaling=scaling, replicas=replicas, ray_address=ray_address,

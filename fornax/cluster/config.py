@@ -82,8 +82,10 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if not self.scaling.min_replicas <= self.replicas <= self.scaling.max_replicas:
-            raise ConfigError(f"--replicas {self.replicas} must lie within --min-replicas "
-                              f"{self.scaling.min_replicas} and --max-replicas {self.scaling.max_replicas}")  # fmt: skip
+            raise ConfigError(
+                f"--replicas {self.replicas} must lie within --min-replicas "
+                f"{self.scaling.min_replicas} and --max-replicas {self.scaling.max_replicas}"
+            )
         if self.max_restarts < -1:
             raise ConfigError("--max-restarts must be -1 (always) or at least 0")
         if self.poll_interval_s <= 0:

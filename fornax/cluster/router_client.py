@@ -65,7 +65,17 @@ class RouterProcess:
 
     def __init__(self, host: str, port: int, args: list[str]) -> None:
         self.url = f"http://{host}:{port}"
-        self.command = [sys.executable, "-m", "fornax.cli", "router", "--host", host, "--port", str(port), *args]  # fmt: skip
+        self.command = [
+            sys.executable,
+            "-m",
+            "fornax.cli",
+            "router",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *args,
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

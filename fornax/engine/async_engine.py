@@ -18,6 +18,7 @@ a lone engine several times slower here (see server/app.py `_in_passing_thread`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -158,7 +159,9 @@ class AsyncEngine:
         return cls(build_engine_core(config, progress=progress))
 
     # -- lifecycle --
-    def start(self, loop: asyncio.AbstractEventLoop | None = None, thread: EngineThread | None = None) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop | None = None, thread: EngineThread | None = None
+    ) -> None:
         """Run on `thread` (shared with other engines), or on a thread of its own."""
         self._loop = loop or asyncio.get_running_loop()
         self._own_thread = thread is None
@@ -176,7 +179,7 @@ class AsyncEngine:
             self._thread.detach(self)
         try:
             self.core.close()
-        except Exception:  # noqa: BLE001 - shutting down: report, never hang or mask the exit
+        except Exception:
             logger.exception("flushing the engine's KV tiers failed")
 
     @property
@@ -185,7 +188,11 @@ class AsyncEngine:
 
     # -- requests --
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Submit a request and yield its outputs; leaving the loop early aborts it.
@@ -248,7 +255,7 @@ class AsyncEngine:
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+        except BaseException as exc:
             logger.critical("the engine loop failed and stopped; every request is failed", exc_info=exc)
             self._die(exc)
 
@@ -273,7 +280,7 @@ class AsyncEngine:
         if self.on_dead is not None:
             try:
                 self.on_dead(exc)
-            except Exception:  # noqa: BLE001 - the engine is already dead; report and go
+            except Exception:
                 logger.exception("the engine's on_dead callback failed")
 
     def _drain_commands(self) -> None:
@@ -297,7 +304,7 @@ class AsyncEngine:
                     result = None
                 else:
                     result = payload(self.core)
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            except Exception as exc:
                 if done is not None:
                     done.set_exception(exc)
                 continue
@@ -322,7 +329,7 @@ class AsyncEngine:
         for listener in list(self.listeners):
             try:
                 listener(stats)
-            except Exception:  # noqa: BLE001 - an observer must never stop the engine
+            except Exception:
                 logger.exception("step listener %r failed and was detached", listener)
                 self.listeners.remove(listener)
         if outputs and self._loop is not None:
@@ -343,7 +350,5 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put_nowait(exc)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(fail)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is waiting

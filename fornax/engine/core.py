@@ -71,7 +71,12 @@ class EngineCore:
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
         self.runner = ModelRunner(
-            loaded.model, loaded.config, num_blocks, cache.block_size, dtype, config.kernel_backend,
+            loaded.model,
+            loaded.config,
+            num_blocks,
+            cache.block_size,
+            dtype,
+            config.kernel_backend,
             cache.kv_cache_dtype,
         )
         connector = None
@@ -109,7 +114,11 @@ class EngineCore:
 
     # -- requests in and out --
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request (fanned out to params.n sequences). Raises ValueError on bad input.
@@ -130,7 +139,12 @@ class EngineCore:
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             req = Request(
-                child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len, priority,
+                child_id,
+                prompt_token_ids,
+                child_params,
+                self.tokenizer.eos_token_ids,
+                self.max_model_len,
+                priority,
                 cache_salt=cache_salt,
             )
             if compiled is not None:
@@ -190,7 +204,7 @@ class EngineCore:
                     self._advance_grammar(req, num_before[req.request_id])
                 tokens, logprobs = self._detokenize(req, num_before[req.request_id], result)
                 outputs.append(self._output(req, tokens, logprobs))
-            except Exception as exc:  # noqa: BLE001 - one request's fault ends that request only
+            except Exception as exc:
                 outputs.extend(self._fail_request(req.request_id, exc))
         if self.spec is not None:
             self.spec.observe(sched, result)
@@ -245,7 +259,7 @@ class EngineCore:
         instead of the engine."""
         try:
             method(self, *args)
-        except Exception:  # noqa: BLE001 - an observer must never stop serving
+        except Exception:
             logger.exception("the event tap failed and was detached: live events stop")
             self.event_tap = None
 
@@ -459,8 +473,13 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     large_step = (config.large_step_quantization, config.large_step_min_rows)
     spec = config.speculative
     loaded = load_model(
-        config.model, config.dtype, progress=progress, small_step=small_step, large_step=large_step,
-        kernel_backend=config.kernel_backend, lm_head_int4=config.lm_head_quantization == "int4",
+        config.model,
+        config.dtype,
+        progress=progress,
+        small_step=small_step,
+        large_step=large_step,
+        kernel_backend=config.kernel_backend,
+        lm_head_int4=config.lm_head_quantization == "int4",
         # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )

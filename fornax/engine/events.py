@@ -28,7 +28,16 @@ from typing import Any
 # Event types, in the order a request meets them. `preempted` sends it back to `queued`
 # (its blocks are freed; it is `scheduled` again later). `spec_verify` comes with the tokens
 # of a step that verified speculative drafts.
-EVENT_TYPES = ("queued", "scheduled", "blocks", "prefill_chunk", "spec_verify", "token", "preempted", "finished")
+EVENT_TYPES = (
+    "queued",
+    "scheduled",
+    "blocks",
+    "prefill_chunk",
+    "spec_verify",
+    "token",
+    "preempted",
+    "finished",
+)
 
 
 @dataclass(slots=True)

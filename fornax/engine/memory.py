@@ -121,7 +121,9 @@ def engine_tensors(runner: ModelRunner, proposer: object | None) -> list[tuple[s
     runner's model, KV pools and host KV tier, and the speculative proposer's, if any."""
     model = runner.model
     out = weight_tensors(model)
-    out += [("rotary tables", b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()]
+    out += [
+        ("rotary tables", b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()
+    ]
     out += [("KV cache pools", t) for layer in runner.kv_cache.layers for t in layer.tensors()]
     if runner.kv_connector is not None:
         out += [("KV host tier", t) for t in runner.kv_connector.memory_tensors()]

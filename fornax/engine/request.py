@@ -78,8 +78,12 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as exc:  # an unknown key
                 raise SamplingParamsError("structured_outputs", f"structured_outputs: {exc}") from None
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs must be a StructuredOutputsParams"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -96,7 +100,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:  # noqa: C901 - a flat list of independent checks reads best
+    def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
             raise SamplingParamsError(param, msg)
 
@@ -107,7 +111,9 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            bad(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

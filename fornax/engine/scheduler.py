@@ -298,7 +298,9 @@ class Scheduler:
             # Tokens a tier supplies need blocks like computed ones, but no budget.
             block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks, num_hit)
             if self.connector is not None and num_external:
-                num_external = self.connector.update_state_after_alloc(request, block_ids, num_hit, num_external)
+                num_external = self.connector.update_state_after_alloc(
+                    request, block_ids, num_hit, num_external
+                )
             if block_ids is None:
                 break  # never preempt running work to admit new work; wait for room
             self.waiting.pop()

@@ -107,7 +107,9 @@ def build_attention_metadata(
     slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
     kernel_rows = None
     if kernel is not None:
-        on_kernel = [s.num_new <= KERNEL_MAX_QUERIES or s.start + s.num_new <= KERNEL_MAX_CONTEXT for s in spans]
+        on_kernel = [
+            s.num_new <= KERNEL_MAX_QUERIES or s.start + s.num_new <= KERNEL_MAX_CONTEXT for s in spans
+        ]
         short = [i for i, ok in enumerate(on_kernel) if ok]
         if short:
             kernel_rows = _build_kernel_rows(kernel, spans, short, offsets, block_size, sliding_window)
@@ -225,8 +227,12 @@ def paged_attention(
         # (materialised scores, safe softmax), ~4x slower at 512 tokens than its flash kernel
         # for [1, H, T, D]; that was ~60% of a 512-token prefill (torch.profiler, 2026-12-03).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=gqa,
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
         )  # [1, H, T, D]
         return out[0].transpose(0, 1)
     out = torch.empty_like(q)

@@ -82,7 +82,6 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return starts, total
 
 
-
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of `tensors`, one after another in one huge-page mapping: most of
     a model's weight tensors are under 2 MiB each, so only together do they fill huge pages.

@@ -59,7 +59,12 @@ class LayerKV:
 
     @classmethod
     def allocate_layers(
-        cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        cls,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
         kv_cache_dtype: str,
     ) -> list[LayerKV]:
         """Every layer's pools in one mapping (hugepages.zeros_many), zero-filled by the kernel as

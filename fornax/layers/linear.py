@@ -66,7 +66,9 @@ class Int8PerChannel:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
 
 
-def _asymmetric_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _asymmetric_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round to 16 levels spanning each group's range: w ~ q * scale + lo, q [out, in] in [0, 15]
     (uint8), scale and lo [out, groups] float32."""
     out_f, in_f = weight.shape
@@ -86,14 +88,16 @@ class Int4Grouped:
     quantized = True
 
     def __init__(self, weight: torch.Tensor, group_size: int = 32) -> None:
-        out_f, in_f = weight.shape
+        _out_f, in_f = weight.shape
         if in_f % group_size:
             raise ValueError(f"in_features {in_f} is not a multiple of the int4 group size {group_size}")
         q, scale, lo = _asymmetric_int4(weight, group_size)
         self.init_packed(q.to(torch.int32), scale, lo + 8.0 * scale, group_size)
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Grouped:
+    def from_blocks(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+    ) -> Int4Grouped:
         """From a quantization done elsewhere (a GGUF file's Q4 blocks): q [out, in] in [0, 15],
         w = (q - 8) * scale + zero per group. The scales are stored in bf16, as the kernel reads them."""
         self = cls.__new__(cls)
@@ -117,7 +121,9 @@ class Int4Grouped:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:  # the common case: skip two no-op casts (~2 us each per call)
             return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
-        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
+        y = torch._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero
+        )
         return y.to(x.dtype)
 
 
@@ -152,7 +158,9 @@ class BlockInt4:
         self._init(*_asymmetric_int4(weight, 32), kernel)
 
     @classmethod
-    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: QuantMatmul) -> BlockInt4:
+    def from_blocks(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: QuantMatmul
+    ) -> BlockInt4:
         """From Int4Blocks' form (w = (q - 8) * scale + zero, group 32): d = scale, m = zero - 8 * scale."""
         self = cls.__new__(cls)
         self._init(q.to(torch.uint8), scale.float(), zero.float() - 8.0 * scale.float(), kernel)
@@ -246,7 +254,9 @@ class Int8Rotated:
         pad = -out_f % 64  # the kernel's panels of 64 output channels, padded with zero channels
         q = torch.cat([q, q.new_zeros(pad, in_f)]) if pad else q
         self.out_features, self.kernel = out_f, kernel
-        self.packed = q.view(-1, 64, in_f // 4, 4).transpose(1, 2).contiguous()  # [out_pad / 64, in / 4, 64, 4]
+        self.packed = (
+            q.view(-1, 64, in_f // 4, 4).transpose(1, 2).contiguous()
+        )  # [out_pad / 64, in / 4, 64, 4]
         self.colsum = q.sum(dim=1, dtype=torch.int32)  # [out_pad]
         self.scale = torch.cat([wmax / (127.0 * 32.0), wmax.new_zeros(pad)]).contiguous()  # float32 [out_pad]
 
@@ -305,7 +315,9 @@ class Linear(nn.Module):
         # None once release_dense_weight finds that the step forms cover every row count.
         dense = torch.empty(out_features, in_features, dtype=dtype)
         self.weight: nn.Parameter | None = nn.Parameter(dense, requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
         self.small: LinearMethod | None = None
         self.small_max_rows = 0
         # A second tier past the quantized one: the native bf16 kernel on the dense weight, for

@@ -342,14 +342,15 @@ class FusedOps:
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._norm
 
-
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norm(s), s) with s = x + residual when a residual is given, else (norm(x), None).
         x, residual: [rows, dim]."""
         rows, dim = x.shape
-        if not _row_view_ok(x) or (residual is not None and (residual.shape != x.shape or not _row_view_ok(residual))):
+        if not _row_view_ok(x) or (
+            residual is not None and (residual.shape != x.shape or not _row_view_ok(residual))
+        ):
             raise ValueError("rms_norm kernel: inputs must be [rows, dim] with contiguous rows")
         if not weight.is_contiguous() or weight.dtype != x.dtype or weight.numel() != dim:
             raise ValueError("rms_norm kernel: weight must be a contiguous [dim] of the input's dtype")
@@ -383,7 +384,14 @@ class FusedOps:
         if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype):
             raise ValueError("rotary kernel: cos and sin must be contiguous, in x's dtype")
         self._rotary[x.dtype](
-            x.data_ptr(), x.stride(0), rows, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            num_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -414,7 +422,13 @@ class QuantMatmul:
     MAX_ROWS = 64  # the kernel's limit on activation rows per call (quant_matmul.c MAX_ROWS)
 
     def __call__(
-        self, fmt: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, n: int
+        self,
+        fmt: str,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor | None,
+        n: int,
     ) -> torch.Tensor:
         """y [T, n] = x W^T, x: [T, K] (any row stride). W in the kernel's tiles (layers/linear.py
         BlockInt4 / BlockInt8): fmt "q4": 4-bit pairs, float16 scales and offsets; "q8": int8
@@ -453,11 +467,23 @@ class Bf16Matmul:
         if x.stride(-1) != 1:
             x = x.contiguous()
         n, k = weight.shape
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[1] != k or not weight.is_contiguous():
+        if (
+            x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or x.shape[1] != k
+            or not weight.is_contiguous()
+        ):
             raise ValueError("bf16 matmul: x [T, K] and a contiguous weight [N, K], both bfloat16")
         out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
         status = self._fn(
-            x.data_ptr(), x.stride(0), x.shape[0], k, weight.data_ptr(), n, out.data_ptr(), torch.get_num_threads()
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            k,
+            weight.data_ptr(),
+            n,
+            out.data_ptr(),
+            torch.get_num_threads(),
         )
         if status:
             raise RuntimeError(f"bf16 matmul kernel failed (status {status})")
@@ -486,12 +512,16 @@ class Int8Matmul:
             raise ValueError("int8 activations: x must be [T, K] bfloat16 with K a multiple of 32")
         q = torch.empty((rows, k), dtype=torch.int8)
         scale = torch.empty(rows, dtype=torch.float32)
-        status = self._quantize(x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+        status = self._quantize(
+            x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads()
+        )
         if status:
             raise RuntimeError(f"int8 activation kernel failed (status {status})")
         return q, scale
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor, n: int
+    ) -> torch.Tensor:
         """y [T, n] bf16 = x W^T for W in the kernel's panels (packed [n_pad / 64, K / 4, 64, 4]
         int8, colsum int32 and scale float32 [n_pad]); x [T, K] bf16, any row stride."""
         if x.stride(-1) != 1:
@@ -499,7 +529,12 @@ class Int8Matmul:
         rows, k = x.shape
         n_pad = packed.shape[0] * 64
         ok = x.dtype == torch.bfloat16 and packed.dtype == torch.int8 and packed.is_contiguous()
-        ok = ok and packed.shape[1:] == (k // 4, 64, 4) and n <= n_pad and colsum.numel() == scale.numel() == n_pad
+        ok = (
+            ok
+            and packed.shape[1:] == (k // 4, 64, 4)
+            and n <= n_pad
+            and colsum.numel() == scale.numel() == n_pad
+        )
         if not ok:
             raise ValueError("int8 matmul: x [T, K] bf16 and weights in the kernel's panels")
         out = torch.empty((rows, n), dtype=torch.bfloat16)
@@ -568,7 +603,12 @@ def step_rows(
         check_slots(slots, rows, num_slots)
         check_paged_indices(block_tables, row_seq, row_pos, rows, num_slots, block_size)
     return StepRowsDesc(
-        slots.data_ptr(), block_tables.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), rows, block_tables.shape[1]
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        row_seq.data_ptr(),
+        row_pos.data_ptr(),
+        rows,
+        block_tables.shape[1],
     )
 
 
@@ -581,13 +621,26 @@ class DecodeStepKernel:
         p = ctypes.c_void_p
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.POINTER(DecoderModelDesc), p, p, p, ctypes.POINTER(StepRowsDesc), p, ctypes.c_int]
+            fn.argtypes = [
+                ctypes.POINTER(DecoderModelDesc),
+                p,
+                p,
+                p,
+                ctypes.POINTER(StepRowsDesc),
+                p,
+                ctypes.c_int,
+            ]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._fns
 
     def __call__(
-        self, model: DecoderModelDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: StepRowsDesc
+        self,
+        model: DecoderModelDesc,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: StepRowsDesc,
     ) -> torch.Tensor:
         """x: [rows, hidden] contiguous embeddings; cos, sin: [rows, head_dim] contiguous, x's dtype.
         Returns the hidden states after the final norm, [rows, hidden]."""

@@ -18,7 +18,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s), s) with s = x + residual (s = x when residual is None): the residual add of
         a decoder layer and the next norm in one call, rounded exactly as the two torch ops."""
         if residual is None:

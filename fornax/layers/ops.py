@@ -128,7 +128,7 @@ TORCH_OPS = TorchOps()
 
 
 def layer_ops(backend: str, dtype: torch.dtype) -> LayerOps:
-    """"native": the compiled kernels when they build here and cover `dtype`; else torch ops."""
+    """ "native": the compiled kernels when they build here and cover `dtype`; else torch ops."""
     if backend == "native":
         fused = load_fused_ops()
         if fused is not None and fused.supports(dtype):

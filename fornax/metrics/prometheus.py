@@ -140,7 +140,9 @@ class Metrics:
         # -- the model itself (server/models.py: loaded at start-up, or on demand with LRU unloading) --
         self.model_loaded = gauge("model_loaded", "1 while the model is loaded, else 0.")
         self.model_loads = counter("model_loads", "Times the model was loaded.")
-        self.model_unloads = counter("model_unloads", "Times the model was unloaded to make room for another.")
+        self.model_unloads = counter(
+            "model_unloads", "Times the model was unloaded to make room for another."
+        )
         self.model_load_seconds = hist("model_load_seconds", "Time to load the model.", MODEL_LOAD_BUCKETS)
         self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0}
         self._init_offload(model_name)
@@ -161,10 +163,15 @@ class Metrics:
                                      "tier", ("host", "disk"))  # fmt: skip
         self.offload_bytes = labelled(Counter, "kv_offload_bytes", "Bytes of KV moved between tiers, by direction.",
                                       "direction", ("to_host", "from_host", "to_disk", "from_disk"))  # fmt: skip
-        self.offload_seconds = labelled(Histogram, "kv_offload_transfer_seconds",
-                                        "Time of one step's KV copies: save (to host), load (to the primary "
-                                        "pool), disk_read (reading and verifying chunks).",
-                                        "kind", ("save", "load", "disk_read"), buckets=STEP_SECONDS_BUCKETS)  # fmt: skip
+        self.offload_seconds = labelled(
+            Histogram,
+            "kv_offload_transfer_seconds",
+            "Time of one step's KV copies: save (to host), load (to the primary "
+            "pool), disk_read (reading and verifying chunks).",
+            "kind",
+            ("save", "load", "disk_read"),
+            buckets=STEP_SECONDS_BUCKETS,
+        )
         self.offload_usage = labelled(Gauge, "kv_offload_usage_perc", "Fraction of a KV tier in use (0..1).",
                                       "tier", ("host", "disk"))  # fmt: skip
         self.offload_swaps = labelled(Counter, "kv_offload_swaps", "Preempted requests swapped out / back in.",
@@ -190,7 +197,9 @@ class Metrics:
                 self._offload_mirrored[key] = total
         for kind, seconds in o.transfer_times:
             self.offload_seconds[kind].observe(seconds)
-        self.offload_usage["host"].set(o.host_blocks_used / o.host_blocks_total if o.host_blocks_total else 0.0)
+        self.offload_usage["host"].set(
+            o.host_blocks_used / o.host_blocks_total if o.host_blocks_total else 0.0
+        )
         self.offload_usage["disk"].set(o.disk_bytes_used / o.disk_bytes_total if o.disk_bytes_total else 0.0)
 
     # -- feeds --
@@ -222,7 +231,7 @@ class Metrics:
         # Runs in the engine thread, where an exception would stop the engine: never raise.
         try:
             self._on_step(stats)
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("metrics step listener failed")
 
     def _on_step(self, stats: StepStats) -> None:
@@ -295,7 +304,9 @@ def render_all(metrics: list[Metrics]) -> bytes:
         for family in m.registry.collect():
             merged = families.get(family.name)
             if merged is None:
-                merged = families[family.name] = PromMetric(family.name, family.documentation, family.type, family.unit)
+                merged = families[family.name] = PromMetric(
+                    family.name, family.documentation, family.type, family.unit
+                )
             merged.samples.extend(family.samples)
     return generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]
 

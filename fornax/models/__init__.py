@@ -108,7 +108,9 @@ def load_model(
         for linear in linears:
             linear.set_large_step_int8(large_step[1], kernel_backend)
         if all(linear.large is None for linear in linears):
-            logger.warning("w8a8 large steps cannot run here (no AVX-512 VNNI or no C compiler): dense weights serve them")
+            logger.warning(
+                "w8a8 large steps cannot run here (no AVX-512 VNNI or no C compiler): dense weights serve them"
+            )
     if small_step is not None and small_step[1] > 0:
         # dense bf16 forms: alone, or past the quantized limit; not where int8 x int8 runs
         # (it beats them at every row count, benchmarks/int8_matmul.py)
@@ -163,7 +165,7 @@ def weights_on_huge_pages(model: nn.Module) -> None:
                 holders += [(form, name) for name, v in vars(form).items() if isinstance(v, torch.Tensor)]
     held = [getattr(holder, name) for holder, name in holders]
     keys = [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in held]
-    first = {key: t for key, t in zip(keys, held)}  # the same view of the same memory: one tensor
+    first = dict(zip(keys, held))  # the same view of the same memory: one tensor
     packed = dict(zip(first, hugepages.pack(list(first.values()))))
     for (holder, name), key in zip(holders, keys):
         setattr(holder, name, packed[key])
@@ -184,11 +186,22 @@ def set_small_step_from_file(
             blocks = [weights.int4_blocks[n] for n in names]  # all Q4 blocks: group 32
             cat = [torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "zero")]
             kernel = native_matmul_for(linear.in_features, kernel_backend)
-            form = Int4Grouped.from_blocks(*cat, blocks[0].group_size) if kernel is None else BlockInt4.from_blocks(*cat, kernel)
+            form = (
+                Int4Grouped.from_blocks(*cat, blocks[0].group_size)
+                if kernel is None
+                else BlockInt4.from_blocks(*cat, kernel)
+            )
             linear.set_small(form, max_rows)
         elif None not in kinds:  # quantized in the file, in some other form
             linear.set_small_step_method("int8" if "int8" in kinds else "int4", max_rows, kernel_backend)
     weights.int4_blocks.clear()  # the packed forms hold what is needed
 
 
-__all__ = ["ARCHITECTURES", "LoadedModel", "ModelLoadError", "ModelSourceError", "load_model", "resolve_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "LoadedModel",
+    "ModelLoadError",
+    "ModelSourceError",
+    "load_model",
+    "resolve_model",
+]

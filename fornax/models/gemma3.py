@@ -86,7 +86,12 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(m)
 
 
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+NORM_NAMES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -97,7 +102,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config, self.dtype = config, dtype
         table = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
+        self.embed_tokens: nn.Module = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=table, _freeze=True
+        )
         # sqrt(hidden) in the model's dtype, as HF multiplies it (25.25 in bf16 for 640, not 25.298)
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
         types = config.layer_types or ("full_attention",) * config.num_hidden_layers

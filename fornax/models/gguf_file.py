@@ -194,7 +194,9 @@ class GGUFFile:
         block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
         n_elems = math.prod(dims)  # exact: _tensor_info bounded it to int64
         if dims[0] % block_elems:
-            raise GGUFFormatError(f"tensor {label}: row of {dims[0]} is not a whole number of {qtype.name} blocks")
+            raise GGUFFormatError(
+                f"tensor {label}: row of {dims[0]} is not a whole number of {qtype.name} blocks"
+            )
         n_bytes = n_elems // block_elems * block_bytes
         start = data_start + offset
         if start + n_bytes > len(self._map):

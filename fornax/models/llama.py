@@ -28,16 +28,28 @@ class KVCache:
     each, in the model's dtype or (kv_cache_dtype "int8") as int8 rows with scales."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         num_slots = num_blocks * block_size
         self.layers = LayerKV.allocate_layers(
-            config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype
+            config.num_hidden_layers,
+            num_slots,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+            kv_cache_dtype,
         )
         self.num_blocks, self.block_size, self.kv_cache_dtype = num_blocks, block_size, kv_cache_dtype
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
         per_token = bytes_per_token(config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
         return per_token * block_size * config.num_hidden_layers
 
@@ -51,7 +63,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Q, K and V in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -161,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
 
     def has_quantized_small_steps(self) -> bool:
         """Whether any projection's small-step form is quantized (not the dense bf16 kernel)."""
-        return any(isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules())
+        return any(
+            isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules()
+        )
 
     def has_int8_large_steps(self) -> bool:
         """Whether the steps past the small-step limit run int8 x int8 (layers/linear.py Int8Rotated)."""

@@ -172,14 +172,18 @@ def _gguf_vocab_size(metadata: dict[str, Any], arch: str) -> int:
     if not isinstance(tokens, list) or not tokens:
         raise ModelLoadError(f"GGUF metadata gives no vocabulary size (no {key}, no tokenizer.ggml.tokens)")
     if len(tokens) > MAX_VOCAB_SIZE:
-        raise ModelLoadError(f"GGUF vocabulary of {len(tokens)} tokens is out of range (1 to {MAX_VOCAB_SIZE})")
+        raise ModelLoadError(
+            f"GGUF vocabulary of {len(tokens)} tokens is out of range (1 to {MAX_VOCAB_SIZE})"
+        )
     return len(tokens)
 
 
 def _head_dim(value: Any) -> int:
     # even: RoPE rotates pairs of values, and the Q/K un-permutation splits each head in two
     if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_HEAD_DIM or value % 2:
-        raise ModelLoadError(f"GGUF head dimension {_short(value)} is not an even number from 2 to {MAX_HEAD_DIM}")
+        raise ModelLoadError(
+            f"GGUF head dimension {_short(value)} is not an even number from 2 to {MAX_HEAD_DIM}"
+        )
     return value
 
 
@@ -226,7 +230,9 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
         raise ModelLoadError(f"bad GGUF model config: {exc}") from None
 
 
-def _gemma3_gguf_config(metadata: dict[str, Any], layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+def _gemma3_gguf_config(
+    metadata: dict[str, Any], layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
     window = _meta_int(metadata, "gemma3.attention.sliding_window", MAX_CONTEXT_LENGTH)
     sliding = [(i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(layers)]
     return {
@@ -311,7 +317,9 @@ def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def load_gguf(path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False) -> LoadedWeights:
+def load_gguf(
+    path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False
+) -> LoadedWeights:
     gguf_file = read_gguf(path)
     try:
         return _weights_from_gguf(gguf_file, path, dtype, progress, keep_int4_blocks)
@@ -339,7 +347,9 @@ def _weights_from_gguf(
     int4_blocks: dict[str, Int4Blocks] = {}
     freq_factors: torch.Tensor | None = None
     embedding_rows: GGUFTensor | None = None
-    bar = tqdm(gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr
+    )
     for t in bar:
         array = dequantize(t.data, t.qtype)  # numpy, HF (row-major) shape
         if t.name == "rope_freqs.weight":
@@ -475,11 +485,15 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
 
 def _gemma3_hf_config(raw: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
-    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
+    pattern = int(
+        raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN
+    )
     types = raw.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
     ]
-    local_theta = (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA
+    local_theta = (
+        (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA
+    )
     return {
         "layer_types": tuple(types),
         "rope_local_theta": float(local_theta),
@@ -495,7 +509,9 @@ def load_hf_dir(hf_dir: Path, dtype: torch.dtype, progress: bool = True) -> Load
     config = hf_model_config(hf_dir)
     tensors: dict[str, torch.Tensor] = {}
     shards = sorted(hf_dir.glob("*.safetensors"))
-    for shard in tqdm(shards, desc=f"loading {hf_dir.name}", unit="shard", disable=not progress, file=sys.stderr):
+    for shard in tqdm(
+        shards, desc=f"loading {hf_dir.name}", unit="shard", disable=not progress, file=sys.stderr
+    ):
         try:
             for name, tensor in load_file(str(shard)).items():
                 tensors[name] = tensor.to(dtype)

@@ -14,8 +14,6 @@ tiers before it) and no layer needs what the C step leaves out (Qwen3's per-head
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from fornax.layers.attention import AttentionMetadata
@@ -74,7 +72,13 @@ class NativeStep:
     int8 large forms. A step takes the first tier its rows fit, as every projection op by op
     would; tiers must follow each other without a gap, or the step stops at the gap."""
 
-    def __init__(self, kernel: DecodeStepKernel, model: LlamaForCausalLM, tiers: list[tuple[int, list]], kv_cache: KVCache) -> None:
+    def __init__(
+        self,
+        kernel: DecodeStepKernel,
+        model: LlamaForCausalLM,
+        tiers: list[tuple[int, list]],
+        kv_cache: KVCache,
+    ) -> None:
         c = model.config
         self.kernel, self.model = kernel, model
         self._kv_cache = kv_cache  # the descriptors point into its pools
@@ -97,7 +101,12 @@ class NativeStep:
         kernel = load_decode_step()
         # the Llama layer's layout only: Qwen3's per-head norms and Gemma's four norms per layer,
         # GeGLU and per-layer windows are not in the C step
-        if kernel is None or not kernel.supports(model.dtype) or model.config.qk_norm or type(model) is not LlamaForCausalLM:
+        if (
+            kernel is None
+            or not kernel.supports(model.dtype)
+            or model.config.qk_norm
+            or type(model) is not LlamaForCausalLM
+        ):
             return None
         linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
         tiers: list[tuple[int, list]] = []
@@ -139,7 +148,9 @@ class NativeStep:
         kr = meta.kernel_rows
         return kr is not None and kr.token_index is None and num_tokens <= self.max_rows
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], as LlamaForCausalLM.forward returns."""
         kr = meta.kernel_rows
         assert kr is not None

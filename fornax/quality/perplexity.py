@@ -32,7 +32,9 @@ def load_corpus(path: Path = CORPUS_PATH) -> str:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise CorpusError(f"perplexity corpus {path} is not readable ({exc}); it comes with Debian's base-files") from exc
+        raise CorpusError(
+            f"perplexity corpus {path} is not readable ({exc}); it comes with Debian's base-files"
+        ) from exc
     digest = hashlib.sha256(data).hexdigest()
     if digest != CORPUS_SHA256:
         raise CorpusError(f"perplexity corpus {path} has sha256 {digest}, expected {CORPUS_SHA256}")

@@ -5,6 +5,7 @@ can build one around their own ReplicaSet and change membership from any thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -27,7 +28,9 @@ POLL_CONNECTIONS = 64
 class Router:
     def __init__(self, config: RouterConfig, replicas: ReplicaSet | None = None) -> None:
         self.config = config
-        self.replicas = replicas if replicas is not None else ReplicaSet(config.unhealthy_after, config.healthy_after)
+        self.replicas = (
+            replicas if replicas is not None else ReplicaSet(config.unhealthy_after, config.healthy_after)
+        )
         for spec in config.replicas:
             self.replicas.add(spec.url, dict(spec.tags), source="static")
         self.policy = make_policy(config)
@@ -89,10 +92,8 @@ class Router:
             if event == "remove":
                 self.policy.forget(replica.url)
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(self._membership_changed, event, replica)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
 
     def _membership_changed(self, event: str, replica: Replica) -> None:
         if event == "add" and self._poller is not None:

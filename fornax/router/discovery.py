@@ -37,7 +37,9 @@ def dns_source(spec: DnsSpec) -> str:
 
 
 class DnsDiscovery:
-    def __init__(self, specs: tuple[DnsSpec, ...], replicas: ReplicaSet, resolver: Resolver = resolve) -> None:
+    def __init__(
+        self, specs: tuple[DnsSpec, ...], replicas: ReplicaSet, resolver: Resolver = resolve
+    ) -> None:
         self.specs, self.replicas, self.resolver = specs, replicas, resolver
 
     async def sync(self) -> None:

@@ -26,7 +26,9 @@ class RouterMetrics:
         p = "fornax_router:"
         self.requests = Counter(p + "requests", "Requests answered, by the replica that answered (the last "
                                 "tried) and outcome.", ["replica", "outcome"], registry=r)  # fmt: skip
-        self.retries = Counter(p + "retries", "Attempts moved to another replica, by why.", ["reason"], registry=r)
+        self.retries = Counter(
+            p + "retries", "Attempts moved to another replica, by why.", ["reason"], registry=r
+        )
         self.ejections = Counter(p + "ejections", "Replicas taken out of rotation, by replica and how "
                                  "(passive: a failed request; active: failed health checks).",
                                  ["replica", "kind"], registry=r)  # fmt: skip

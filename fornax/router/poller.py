@@ -23,7 +23,11 @@ from fornax.router.metrics import RouterMetrics
 from fornax.router.replicas import EJECT_ACTIVE, Replica, ReplicaSet
 
 logger = logging.getLogger("fornax.router")
-RUNNING, WAITING, KV_USAGE = "fornax:num_requests_running", "fornax:num_requests_waiting", "fornax:kv_cache_usage_perc"
+RUNNING, WAITING, KV_USAGE = (
+    "fornax:num_requests_running",
+    "fornax:num_requests_waiting",
+    "fornax:kv_cache_usage_perc",
+)
 _WATCHED = (RUNNING, WAITING, KV_USAGE)
 
 
@@ -63,7 +67,7 @@ class Poller:
             started = loop.time()
             try:
                 await self.round()
-            except Exception:  # noqa: BLE001 - the poller must outlive any one bad round
+            except Exception:
                 logger.exception("poll round failed")
             await asyncio.sleep(max(0.0, self.config.poll_interval_s - (loop.time() - started)))
 

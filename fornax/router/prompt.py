@@ -23,7 +23,7 @@ class RouteRequest:
     on first use, so only the policies that read them pay (cache-aware: the text; length:
     the estimate); the others look at the model alone."""
 
-    __slots__ = ("endpoint", "model", "_body", "_text", "_tokens")
+    __slots__ = ("_body", "_text", "_tokens", "endpoint", "model")
 
     def __init__(self, endpoint: str, model: str | None, body: dict[str, Any] | None = None) -> None:
         self.endpoint = endpoint  # "chat", "completions", or another route's name
@@ -71,7 +71,9 @@ def chat_text(messages: Any) -> str:
     for message in messages:
         if isinstance(message, dict):
             role = message.get("role")
-            parts.append(f"{role if isinstance(role, str) else ''}{_ROLE_END}{_content(message.get('content'))}")
+            parts.append(
+                f"{role if isinstance(role, str) else ''}{_ROLE_END}{_content(message.get('content'))}"
+            )
     return _MESSAGE_END.join(parts)
 
 

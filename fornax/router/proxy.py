@@ -83,7 +83,7 @@ class Attempt:
 class Lease:
     """One attempt's place in a replica's in-flight count, given back exactly once."""
 
-    __slots__ = ("replica", "epoch", "held")
+    __slots__ = ("epoch", "held", "replica")
 
     def __init__(self, replica: Replica) -> None:
         self.replica, self.epoch, self.held = replica, replica.begin_request(), True
@@ -131,7 +131,12 @@ class Proxy:
         nothing learned yet there is no telling, and the request goes on (to a 503)."""
         members = self.replicas.members()
         names = sorted({m for r in members for m in (r.models or ())})
-        if model is None or model in names or not names or any(r.models is None and r.available for r in members):
+        if (
+            model is None
+            or model in names
+            or not names
+            or any(r.models is None and r.available for r in members)
+        ):
             return
         raise ApiError(404, f"The model '{model}' does not exist; the replicas serve {', '.join(names)}",
                        param="model", code="model_not_found")  # fmt: skip
@@ -233,11 +238,16 @@ class Proxy:
             return ApiError(503, "no replica is available for this request", code="no_healthy_replica",
                             headers={"Retry-After": "1"}).response()  # fmt: skip
         url = failure.replica.url
-        headers = {"x-fornax-replica": url, "x-fornax-route-reason": "retries_exhausted",
-                   "x-fornax-attempts": str(ctx.number)}
+        headers = {
+            "x-fornax-replica": url,
+            "x-fornax-route-reason": "retries_exhausted",
+            "x-fornax-attempts": str(ctx.number),
+        }
         if failure.status is None:
             self._finish(url, 502, ctx)
-            message = f"no replica could answer after {ctx.number} attempt(s); the last ({url}): {failure.message}"
+            message = (
+                f"no replica could answer after {ctx.number} attempt(s); the last ({url}): {failure.message}"
+            )
             return ApiError(502, message, type="server_error", code="replica_unavailable",
                             headers=headers).response()  # fmt: skip
         self._finish(url, failure.status, ctx)

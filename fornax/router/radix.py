@@ -28,7 +28,7 @@ NODE_CHARS = 32
 
 
 class _Node:
-    __slots__ = ("label", "children", "owners", "parent", "last", "attached")
+    __slots__ = ("attached", "children", "label", "last", "owners", "parent")
 
     def __init__(self, label: str, parent: _Node | None, owners: set[str], last: int) -> None:
         self.label = label

@@ -86,7 +86,9 @@ def classify(event: bytes) -> str:
     error = obj.get("error")
     if isinstance(error, dict):
         kind = error.get("type")
-        return NOT_READY if kind == "service_unavailable" else SERVER_ERROR if kind == "server_error" else COMMIT
+        return (
+            NOT_READY if kind == "service_unavailable" else SERVER_ERROR if kind == "server_error" else COMMIT
+        )
     choices = obj.get("choices")
     if isinstance(choices, list) and choices and obj.get("usage") is None and all(map(_role_only, choices)):
         return HOLD

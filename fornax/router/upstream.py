@@ -39,8 +39,12 @@ NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 def open_session(config: RouterConfig) -> aiohttp.ClientSession:
     """The relay's session; call on the loop that will use it."""
     # The poller's trust (httpx's: certifi), so polls and relayed requests agree on a replica.
-    connector = aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=0,
-                                     keepalive_timeout=KEEPALIVE_S, ssl=httpx.create_ssl_context())
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=KEEPALIVE_S,
+        ssl=httpx.create_ssl_context(),
+    )
     timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=config.connect_timeout_s,
                                     sock_read=config.read_timeout_s)  # fmt: skip
     return aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),

@@ -29,15 +29,33 @@ from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.generation import ClientGone, Generation, unless_disconnected
 from fornax.server.limits import (
-    build_sampling_params, check_messages, check_prompts, check_sampling_fields, check_text_fits,
-    check_token_count, check_token_ids, check_tokenize_input, message_texts,
-    num_logprobs, resolve_max_tokens,
+    build_sampling_params,
+    check_messages,
+    check_prompts,
+    check_sampling_fields,
+    check_text_fits,
+    check_token_count,
+    check_token_ids,
+    check_tokenize_input,
+    message_texts,
+    num_logprobs,
+    resolve_max_tokens,
 )  # fmt: skip
 from fornax.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
 )  # fmt: skip
 from fornax.server.responses import (
-    TokenText, chat_completion, chat_stream, collect, completion, completion_stream,
+    TokenText,
+    chat_completion,
+    chat_stream,
+    collect,
+    completion,
+    completion_stream,
 )  # fmt: skip
 from fornax.server.state import ServerState
 from fornax.server.structured import compile_constraint, constraint_of, tool_plan
@@ -88,8 +106,15 @@ async def models(request: Request) -> Response:
     cards = []
     for model in state.models.models:
         # a model not loaded (yet, or any more) has no engine to say its context length
-        max_len = model.engine.max_model_len if model.engine is not None else model.config.engine.scheduler.max_model_len
-        cards += [ModelCard(id=name, created=int(state.started_at), max_model_len=max_len) for name in model.config.names]
+        max_len = (
+            model.engine.max_model_len
+            if model.engine is not None
+            else model.config.engine.scheduler.max_model_len
+        )
+        cards += [
+            ModelCard(id=name, created=int(state.started_at), max_model_len=max_len)
+            for name in model.config.names
+        ]
     return _json(ModelList(data=cards))
 
 
@@ -152,7 +177,9 @@ async def completions(request: Request) -> Response:
     params = build_sampling_params(req, max_tokens, k, vocab, constraint)
     echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if req.echo else None  # fmt: skip
-    gen = _generation(state, request, engine, "cmpl", "completions", prompt_ids, params, req.priority, req.stream)
+    gen = _generation(
+        state, request, engine, "cmpl", "completions", prompt_ids, params, req.priority, req.stream
+    )
     text = TokenText(engine.tokenizer)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -214,8 +241,11 @@ async def _run(request: Request, gen: Generation) -> None:
     except EngineDeadError as exc:
         raise ApiError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
     except RequestFailedError:  # logged with its traceback by the engine; the details stay there
-        raise ApiError(500, "internal error while generating this request; it was ended, and the "
-                       "server goes on serving", code="internal_error") from None
+        raise ApiError(
+            500,
+            "internal error while generating this request; it was ended, and the server goes on serving",
+            code="internal_error",
+        ) from None
     except ValueError as exc:  # the engine refused the request (e.g. the KV cache is too small for it)
         raise bad_request(str(exc)) from None
 
@@ -279,7 +309,10 @@ async def detokenize(request: Request) -> dict[str, Any]:
 @router.get("/admin/usage")
 async def admin_usage(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "usage", "keys": state.tenancy.usage({name: asdict(u) for name, u in state.usage.items()})}
+    return {
+        "object": "usage",
+        "keys": state.tenancy.usage({name: asdict(u) for name, u in state.usage.items()}),
+    }
 
 
 @router.get("/admin/state")

@@ -31,7 +31,9 @@ _PUBLIC_PAGE_PREFIX = "/ui/"
 
 
 class KeyStore:
-    def __init__(self, keys: tuple[tuple[str, str], ...], admin_keys: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self, keys: tuple[tuple[str, str], ...], admin_keys: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._keys = [(name, key.encode(), USER) for name, key in keys]
         self._keys += [(name, key.encode(), ADMIN) for name, key in admin_keys]
 

@@ -184,11 +184,11 @@ def _unpack_value(value: IdList | IdLists | Chunks) -> list[Any] | dict[str, Any
     if value.is_dict:
         mapping: dict[str, Any] = {}
         for piece in value.pieces:
-            mapping.update(pickle.loads(piece))  # noqa: S301 - written by our own worker
+            mapping.update(pickle.loads(piece))
         return mapping
     items: list[Any] = []
     for piece in value.pieces:
-        items += pickle.loads(piece)  # noqa: S301 - written by our own worker
+        items += pickle.loads(piece)
     return items
 
 
@@ -214,8 +214,13 @@ async def _in_worker(raw: bytes, model_cls: type[BaseModel], timeout_s: float) -
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
     except BrokenProcessPool:
         _replace(pool)
-        raise ApiError(503, "the process parsing request bodies stopped while parsing this one; the "
-                       "request was not run, retry it", code="service_unavailable", headers={"Retry-After": "1"}) from None  # fmt: skip
+        raise ApiError(
+            503,
+            "the process parsing request bodies stopped while parsing this one; the "
+            "request was not run, retry it",
+            code="service_unavailable",
+            headers={"Retry-After": "1"},
+        ) from None
     except TimeoutError:
         _replace(pool)
         raise ApiError(503, f"parsing the request body took longer than {timeout_s:g} s; the request "
@@ -251,7 +256,9 @@ def _init_worker() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
-        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="exit-with-server", daemon=True).start()
+        threading.Thread(
+            target=_exit_with, args=(parent.sentinel,), name="exit-with-server", daemon=True
+        ).start()
 
 
 def _exit_with(parent_sentinel: int) -> None:

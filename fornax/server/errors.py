@@ -42,7 +42,7 @@ class ApiError(Exception):
         status: int,
         message: str,
         *,
-        type: str | None = None,  # noqa: A002 - the envelope's field name
+        type: str | None = None,
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
@@ -61,7 +61,7 @@ class ApiError(Exception):
         return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:  # noqa: A002
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

@@ -85,7 +85,9 @@ class Generation:
         self.request_id, self.endpoint, self.key_name, self.stream = request_id, endpoint, key_name, stream
         self.prompts, self.params, self.priority = prompts, params, priority
         self.choices = [Choice(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
-        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
+        self.engine_ids = (
+            [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
+        )
         self.cache_salt = cache_salt  # the engine's prefix-cache salt (tenancy.Tenancy.cache_salt)
         # Owners are known before the engine hears of the requests, so even their `queued`
         # event is shown to their key only.
@@ -105,7 +107,9 @@ class Generation:
         return sum(self.choices[p * self.params.n].num_cached_tokens for p in range(len(self.prompts)))
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, EngineOutput]]:
-        entry = self.state.inflight[self.request_id] = Inflight(self.engine_ids, self.engine, len(self.choices))
+        entry = self.state.inflight[self.request_id] = Inflight(
+            self.engine_ids, self.engine, len(self.choices)
+        )
         try:
             async for prompt_index, out in self._merged():
                 entry.started = True
@@ -140,7 +144,7 @@ class Generation:
                     async for out in gen:
                         queue.put_nowait((p, out))
                 queue.put_nowait((p, None))
-            except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            except Exception as exc:
                 queue.put_nowait((p, exc))
 
         tasks = [asyncio.create_task(pump(p)) for p in range(len(self.prompts))]

@@ -17,7 +17,11 @@ from fornax.engine.request import SamplingParams, SamplingParamsError
 from fornax.engine.structured.spec import GUIDED_FIELDS, StructuredOutputsParams
 from fornax.server.errors import ApiError, bad_request, validation_error
 from fornax.server.protocol import (
-    ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest, _SamplingFields,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+    _SamplingFields,
 )  # fmt: skip
 
 M = TypeVar("M", bound=BaseModel)
@@ -156,8 +160,12 @@ def check_text_fits(texts: list[str], max_model_len: int, param: str) -> None:
     """400 for text too long to fit the context in any encoding, before tokenizing it."""
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if sum(len(t) for t in texts) > limit:
-        raise bad_request(f"the text is longer than {limit} characters: more than this model's context of "
-                          f"{max_model_len} tokens could hold", param=param, code="context_length_exceeded")  # fmt: skip
+        raise bad_request(
+            f"the text is longer than {limit} characters: more than this model's context of "
+            f"{max_model_len} tokens could hold",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_token_count(ids: list[int], max_model_len: int, param: str) -> None:
@@ -189,7 +197,7 @@ def check_tokenize_input(req: TokenizeRequest, config: ServerConfig, max_model_l
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     # min and max scan in C: for 600k ids, ~20 ms in two holds of the GIL, where a Python loop
     # took ~35 ms of turns with the event loop (2026-12-04); the loop only finds the culprit.
-    if not ids or (0 <= min(ids) and max(ids) < vocab_size):
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
         return
     for t in ids:
         if not 0 <= t < vocab_size:
@@ -248,7 +256,7 @@ def check_sampling_fields(req: _SamplingFields, config: ServerConfig, vocab_size
     if not low <= req.priority <= high:
         raise bad_request(f"'priority' must be in [{low}, {high}] (lower runs earlier), got {req.priority}",
                           param="priority")  # fmt: skip
-    if req.top_k is not None and not -1 <= req.top_k:
+    if req.top_k is not None and not req.top_k >= -1:
         raise bad_request(f"'top_k' must be -1, 0 or positive, got {req.top_k}", param="top_k")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
@@ -283,7 +291,10 @@ def num_logprobs(req: ChatCompletionRequest | CompletionRequest, config: ServerC
 
 
 def build_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and logprobs is not None

@@ -120,14 +120,18 @@ class ModelSet:
                            headers={"Retry-After": str(self.retry_after_s)}) from None  # fmt: skip
         except ApiError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the load's own failure, told to each waiter
-            raise ApiError(503, f"the model '{model.name}' failed to load: {exc}", code="model_load_failed") from None
+        except Exception as exc:
+            raise ApiError(
+                503, f"the model '{model.name}' failed to load: {exc}", code="model_load_failed"
+            ) from None
 
     async def _make_room(self, model: ServedModel) -> None:
         if self.max_loaded is None:
             return
         async with self._room:
-            occupied = [m for m in self.models if (m.engine is not None or m.loading is not None) and m is not model]
+            occupied = [
+                m for m in self.models if (m.engine is not None or m.loading is not None) and m is not model
+            ]
             if len(occupied) < self.max_loaded:
                 return
             idle = sorted((m for m in occupied if m.engine is not None and m.idle and m is not model),

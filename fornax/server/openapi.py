@@ -15,7 +15,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from fornax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from fornax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -28,7 +33,10 @@ _REF = "#/components/schemas/{model}"
 # One working body per route: documentation for a reader, and the explicit case that a
 # schema-driven test sends before its generated ones.
 _EXAMPLES: dict[str, dict[str, Any]] = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "What is LLM inference?"}], "max_tokens": 4},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "What is LLM inference?"}],
+        "max_tokens": 4,
+    },
     "/v1/completions": {"prompt": "LLM inference is", "max_tokens": 4},
     "/tokenize": {"prompt": "LLM inference is"},
     "/detokenize": {"tokens": [1, 2, 3]},
@@ -62,7 +70,9 @@ def _build(app: FastAPI, model_names: tuple[str, ...]) -> dict[str, Any]:
             body["properties"]["model"] = {"anyOf": [{"enum": list(model_names)}, {"type": "null"}]}
         models.update(body.pop("$defs", {}))
         models[model.__name__] = body
-        example = _EXAMPLES[path] | ({"model": model_names[0]} if "model" in body.get("properties", {}) else {})
+        example = _EXAMPLES[path] | (
+            {"model": model_names[0]} if "model" in body.get("properties", {}) else {}
+        )
         media = {"schema": {"$ref": _REF.format(model=model.__name__)}, "example": example}
         operation["requestBody"] = {"required": True, "content": {"application/json": media}}
     components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

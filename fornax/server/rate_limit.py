@@ -142,7 +142,9 @@ class RateLimiter:
         if waits:
             when, what = max(waits)
             wait = max(1, math.ceil(when - now))  # whole seconds, as Retry-After wants; never 0
-            raise RateLimited(f"rate limit of {what} per minute reached for this key; retry in {wait} s", wait)
+            raise RateLimited(
+                f"rate limit of {what} per minute reached for this key; retry in {wait} s", wait
+            )
 
     def _token_wait(self, log: _Log, excess: int) -> float:
         """When enough of the oldest entries have left the window to free `excess` tokens."""

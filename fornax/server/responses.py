@@ -17,9 +17,24 @@ from fornax.engine.outputs import TokenLogprobs
 from fornax.server.errors import error_body
 from fornax.server.generation import Choice, Generation
 from fornax.server.protocol import (
-    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChatTokenLogprob,
-    Completion, CompletionChoice, CompletionLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, TopLogprob, Usage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    PromptTokensDetails,
+    ResponseMessage,
+    ToolCall,
+    TopLogprob,
+    Usage,
 )  # fmt: skip
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolCallDelta, ToolCallParser, ToolPlan, parse_complete, tool_finish_reason
@@ -102,7 +117,12 @@ def usage_of(gen: Generation) -> Usage:
 
 
 def _head(gen: Generation, model: str, created: int) -> dict[str, Any]:
-    return {"id": gen.request_id, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    return {
+        "id": gen.request_id,
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
 # ---- non-streaming --------------------------------------------------------------------------------
@@ -129,7 +149,9 @@ def chat_completion(
             ] or None)  # fmt: skip
             finish_reason = tool_finish_reason(bool(calls), c.finish_reason)
         logprobs = None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k))
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
+        choices.append(
+            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
+        )
     return ChatCompletion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
                           fornax=gen.timings())  # fmt: skip
 
@@ -193,7 +215,11 @@ async def chat_stream(
             role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
             yield sse(ChatCompletionChunk(**head, choices=[role]))
         async for c, out in gen.outputs():
-            lp = None if k is None or not out.new_logprobs else ChatLogprobs(content=text.chat(out.new_logprobs, k))
+            lp = (
+                None
+                if k is None or not out.new_logprobs
+                else ChatLogprobs(content=text.chat(out.new_logprobs, k))
+            )
             parser = parsers[c.index]
             content, calls = out.new_text, None
             if parser is not None:
@@ -204,14 +230,22 @@ async def chat_stream(
                 calls = _delta_calls(deltas)
             if content or calls or lp is not None:
                 delta = DeltaMessage(content=content if content or calls is None else None, tool_calls=calls)
-                yield sse(ChatCompletionChunk(**head, choices=[ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)]))
+                yield sse(
+                    ChatCompletionChunk(
+                        **head, choices=[ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)]
+                    )
+                )
             if out.finished:
-                reason = tool_finish_reason(parser.called, c.finish_reason) if parser is not None else c.finish_reason
+                reason = (
+                    tool_finish_reason(parser.called, c.finish_reason)
+                    if parser is not None
+                    else c.finish_reason
+                )
                 end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
                 yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings()))
         if include_usage:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(gen)))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+    except Exception as exc:
         yield sse(_stream_error(exc))
     yield SSE_DONE
 
@@ -233,13 +267,17 @@ async def completion_stream(
                 yield sse(Completion(**head, choices=[first]))
             lp = None if k is None or not out.new_logprobs else text.completion(out.new_logprobs, k, c)
             if out.new_text or lp is not None:
-                yield sse(Completion(**head, choices=[CompletionChoice(index=c.index, text=out.new_text, logprobs=lp)]))
+                yield sse(
+                    Completion(
+                        **head, choices=[CompletionChoice(index=c.index, text=out.new_text, logprobs=lp)]
+                    )
+                )
             if out.finished:
                 end = CompletionChoice(index=c.index, text="", finish_reason=c.finish_reason)
                 yield sse(Completion(**head, choices=[end], fornax=c.fornax_timings()))
         if include_usage:
             yield sse(Completion(**head, choices=[], usage=usage_of(gen)))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+    except Exception as exc:
         yield sse(_stream_error(exc))
     yield SSE_DONE
 

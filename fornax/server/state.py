@@ -150,5 +150,5 @@ class ServerState:
         for listener in self.record_listeners:
             try:
                 listener(record)
-            except Exception:  # noqa: BLE001 - a broken listener must not break serving
+            except Exception:
                 logging.getLogger("fornax.server").exception("request listener failed")

@@ -20,7 +20,6 @@ from fornax.server.protocol import ChatCompletionRequest, CompletionRequest
 from fornax.tools import ToolPlan, ToolsError, plan_tools
 
 
-
 def tool_plan(req: ChatCompletionRequest, template: str | None, configured_parser: str | None) -> ToolPlan:
     """The request's tools/tool_choice checked (400 naming the field) and planned (tools/plan.py)."""
     try:

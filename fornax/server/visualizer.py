@@ -105,7 +105,9 @@ async def tokens(request: Request, model: str | None = None) -> dict[str, Any]:
     per-token entries are Python work proportional to the prompt."""
     state = _state(request)
     req = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
-    engine = await state.models.lease(_model(request, model or req.model), request.scope.setdefault("state", {}))
+    engine = await state.models.lease(
+        _model(request, model or req.model), request.scope.setdefault("state", {})
+    )
     messages, param = check_tokenize_input(req, state.config, engine.max_model_len)
     try:
         return await asyncio.to_thread(_token_table, engine, req, messages)
@@ -113,7 +115,9 @@ async def tokens(request: Request, model: str | None = None) -> dict[str, Any]:
         raise bad_request(str(exc), param=param) from None
 
 
-def _token_table(engine: AsyncEngine, req: TokenizeRequest, messages: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _token_table(
+    engine: AsyncEngine, req: TokenizeRequest, messages: list[dict[str, Any]] | None
+) -> dict[str, Any]:
     tok = engine.tokenizer
     if messages is not None:
         text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
@@ -208,7 +212,9 @@ async def events(request: Request, request_id: str | None = None, model: str | N
 
 
 @router.get("/v1/fornax/live")
-async def live(request: Request, interval: float = 1.0, once: bool = False, model: str | None = None) -> Response:
+async def live(
+    request: Request, interval: float = 1.0, once: bool = False, model: str | None = None
+) -> Response:
     served = _model(request, model)
     state, engine, stats = _state(request), _engine(served), served.live
     interval = min(max(interval, 0.2), 10.0)

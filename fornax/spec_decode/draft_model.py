@@ -26,7 +26,6 @@ from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.spec_decode import TargetInfo, register_proposer
 
-
 # A prompt token in a prefill chunk costs ~1/40 of a one-token decode step: a chunk's rows
 # share one read of the weights (benchmarks/spec_decode.py; docs/speculative-decoding.md).
 PREFILL_TOKEN_COST = 0.025
@@ -133,7 +132,9 @@ class DraftModelProposer:
         """Run the draft on a flat batch; greedy token at each span's last row -> [len(spans)]."""
         positions = np.concatenate([np.arange(s.start, s.start + s.num_new) for s in spans])
         window, kernel = self.config.sliding_window, self.attention_kernel
-        meta = build_attention_metadata(spans, self.block_size, window, kernel, self.config.interleaves_sliding_window)
+        meta = build_attention_metadata(
+            spans, self.block_size, window, kernel, self.config.interleaves_sliding_window
+        )
         input_ids = torch.tensor(ids, dtype=torch.long)
         hidden = self.model(input_ids, torch.from_numpy(positions), self.kv_cache, meta)  # [T, hidden]
         ends = torch.from_numpy(np.cumsum([s.num_new for s in spans]) - 1)
@@ -172,4 +173,3 @@ def _num_params(model: torch.nn.Module) -> int:
 def target_kernel(target: TargetInfo) -> PagedAttentionKernel | None:
     kernel = target.attention_kernel
     return kernel if isinstance(kernel, PagedAttentionKernel) else None
-

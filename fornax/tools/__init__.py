@@ -39,6 +39,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolCallParser",
+    "ToolPlan",
     "ToolsError",
     "check_tools",
     "default_parser",
@@ -46,7 +47,9 @@ __all__ = [
     "make_parser",
     "new_call_id",
     "parse_complete",
+    "plan_tools",
     "prepare_messages",
     "template_supports_tools",
+    "tool_finish_reason",
 ]
 from fornax.tools.plan import ToolPlan, plan_tools, tool_finish_reason

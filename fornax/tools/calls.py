@@ -18,6 +18,7 @@ to hold every call back until it is complete, which defeats streaming.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -212,10 +213,8 @@ class _CallBody:
         inside it (an object cannot have ended before a decode succeeds); once it decodes, only
         up to its end, so the `}` and tags after it are never streamed as arguments."""
         if self._args_end is None and "}" in self.text[self._streamed :]:  # only `}` can complete it
-            try:
+            with contextlib.suppress(ValueError):
                 self._args_end = _DECODER.raw_decode(self.text, self._args_start)[1]
-            except ValueError:
-                pass
         upto = len(self.text) if self._args_end is None else self._args_end
         piece = self.text[self._streamed : upto]
         self._streamed = max(self._streamed, upto)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.meta
@@ -123,7 +123,7 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
 class _GenerationBlock(Extension):
     """Accepts transformers' `{% generation %}...{% endgeneration %}` so such templates parse."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: Any) -> list[nodes.Node]:
         next(parser.stream)

@@ -12,8 +12,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 import uvicorn

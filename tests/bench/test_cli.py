@@ -10,15 +10,38 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _args(url: str, *extra: str) -> list[str]:
-    return ["serve", "--base-url", url, "--num-prompts", "6", "--random-input-len", "16",
-            "--random-output-len", "4", "--no-progress", *extra]
+    return [
+        "serve",
+        "--base-url",
+        url,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_run_writes_table_json_and_png(fake_server, tmp_path, capsys) -> None:
     fake_server.state.reset(ttft_s=0.02, itl_s=0.01, fail_every=4)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(_args(fake_server.url, "--num-warmups", "2", "--goodput", "ttft:5000", "tpot:5000",
-                    "--json", str(out_json), "--plot", str(out_png)))
+    rc = main(
+        _args(
+            fake_server.url,
+            "--num-warmups",
+            "2",
+            "--goodput",
+            "ttft:5000",
+            "tpot:5000",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        )
+    )
     assert rc == 0
     assert len(fake_server.state.bodies) == 8  # 2 warm-ups + 6 measured
     text = capsys.readouterr().out
@@ -39,9 +62,25 @@ def test_run_writes_table_json_and_png(fake_server, tmp_path, capsys) -> None:
 def test_sweep_runs_each_level(fake_server, tmp_path, capsys) -> None:
     fake_server.state.reset(ttft_s=0.01, itl_s=0.005)
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
-    rc = main(_args(fake_server.url, "--model", "m", "--endpoint", "completions", "--dataset", "builtin",
-                    "--output-len", "3", "--sweep-concurrency", "1,2,4", "--json", str(out_json),
-                    "--plot", str(out_png)))
+    rc = main(
+        _args(
+            fake_server.url,
+            "--model",
+            "m",
+            "--endpoint",
+            "completions",
+            "--dataset",
+            "builtin",
+            "--output-len",
+            "3",
+            "--sweep-concurrency",
+            "1,2,4",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        )
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     assert [lvl["max_concurrency"] for lvl in doc["levels"]] == [1, 2, 4]
@@ -54,9 +93,25 @@ def test_sweep_runs_each_level(fake_server, tmp_path, capsys) -> None:
 
 def test_calibration_and_prefix_workload(fake_server, capsys) -> None:
     fake_server.state.reset(ttft_s=0.0, itl_s=0.0, tokenize_ratio=2.0)
-    rc = main(_args(fake_server.url, "--model", "m", "--dataset", "prefix-repetition", "--prefix-len", "40",
-                    "--num-prefixes", "2", "--suffix-len", "10", "--request-rate", "100",
-                    "--burstiness", "0.5"))
+    rc = main(
+        _args(
+            fake_server.url,
+            "--model",
+            "m",
+            "--dataset",
+            "prefix-repetition",
+            "--prefix-len",
+            "40",
+            "--num-prefixes",
+            "2",
+            "--suffix-len",
+            "10",
+            "--request-rate",
+            "100",
+            "--burstiness",
+            "0.5",
+        )
+    )
     assert rc == 0
     assert "2.000 tokens per word" in capsys.readouterr().err
     prompts = [b["messages"][0]["content"] for b in fake_server.state.bodies]

@@ -13,8 +13,14 @@ from fornax.bench.report import summarize
 from fornax.bench.workloads import BenchRequest, arrival_offsets, random_workload
 
 
-def _run(url: str, reqs: list[BenchRequest], endpoint: str = "chat", offsets: np.ndarray | None = None,
-         max_concurrency: int | None = None, timeout_s: float | None = 10.0):
+def _run(
+    url: str,
+    reqs: list[BenchRequest],
+    endpoint: str = "chat",
+    offsets: np.ndarray | None = None,
+    max_concurrency: int | None = None,
+    timeout_s: float | None = 10.0,
+):
     target = bc.Target(url, "fake-model", endpoint)
     offs = np.zeros(len(reqs)) if offsets is None else offsets
     return asyncio.run(bc.run_load(target, reqs, offs, max_concurrency, timeout_s))
@@ -107,8 +113,14 @@ def test_helpers_model_and_tokenize(fake_server) -> None:
     assert asyncio.run(bc.tokens_per_word(fake_server.url, "m", None, "a b c d")) == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("url,root", [("http://h:1", "http://h:1"), ("http://h:1/v1/", "http://h:1"),
-                                      ("https://x.y/api/v1", "https://x.y/api")])
+@pytest.mark.parametrize(
+    "url,root",
+    [
+        ("http://h:1", "http://h:1"),
+        ("http://h:1/v1/", "http://h:1"),
+        ("https://x.y/api/v1", "https://x.y/api"),
+    ],
+)
 def test_normalize_base_url(url: str, root: str) -> None:
     assert bc.normalize_base_url(url) == root
 

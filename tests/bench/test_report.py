@@ -11,8 +11,17 @@ from fornax.bench.report import format_sweep_table, format_table, meets_slos, pa
 
 
 def _ok(i: int, ttft: float, e2e: float, out: int, itl: list[float] | None = None) -> RequestResult:
-    return RequestResult(index=i, success=True, prompt_tokens=10, output_tokens=out, usage_reported=True,
-                         ttft_s=ttft, e2el_s=e2e, itl_s=itl or [], num_chunks=out)
+    return RequestResult(
+        index=i,
+        success=True,
+        prompt_tokens=10,
+        output_tokens=out,
+        usage_reported=True,
+        ttft_s=ttft,
+        e2el_s=e2e,
+        itl_s=itl or [],
+        num_chunks=out,
+    )
 
 
 def test_tpot_definition() -> None:
@@ -22,8 +31,11 @@ def test_tpot_definition() -> None:
 
 
 def test_summary_numbers() -> None:
-    results = [_ok(0, 0.1, 0.5, 5, [0.1] * 4), _ok(1, 0.3, 1.1, 5, [0.2] * 4),
-               RequestResult(index=2, success=False, error="HTTP 500: boom")]
+    results = [
+        _ok(0, 0.1, 0.5, 5, [0.1] * 4),
+        _ok(1, 0.3, 1.1, 5, [0.2] * 4),
+        RequestResult(index=2, success=False, error="HTTP 500: boom"),
+    ]
     s = summarize(results, duration_s=2.0)
     assert (s.completed, s.failed) == (2, 1)
     assert s.total_output_tokens == 10 and s.total_prompt_tokens == 20
@@ -47,7 +59,12 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
     failed = RequestResult(index=4, success=False, error="x")
     slos = parse_goodput(["ttft:100", "tpot:60"])
     assert [meets_slos(r, slos) for r in (fast, slow_first, slow_decode, one_token, failed)] == [
-        True, False, False, True, False]
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
     s = summarize([fast, slow_first, slow_decode, one_token, failed], duration_s=4.0, slos_ms=slos)
     assert s.good_requests == 2 and s.goodput == pytest.approx(0.5)
     assert "Goodput" in format_table(s)

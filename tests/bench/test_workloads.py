@@ -43,15 +43,24 @@ def test_prefix_repetition_shares_prefixes() -> None:
 
 def test_sharegpt_first_exchange(tmp_path) -> None:
     data = [
-        {"id": "a", "conversations": [{"from": "human", "value": "Tell me about the history of tea in China"},
-                                      {"from": "gpt", "value": " ".join(["word"] * 40)},
-                                      {"from": "human", "value": "and Japan?"}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "Tell me about the history of tea in China"},
+                {"from": "gpt", "value": " ".join(["word"] * 40)},
+                {"from": "human", "value": "and Japan?"},
+            ],
+        },
         {"id": "b", "conversations": [{"from": "gpt", "value": "hello"}]},  # no human turn: skipped
         # Too short on both sides: skipped.
         {"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-        {"id": "d", "conversations": [
-            {"from": "human", "value": "Explain recursion with an example please"},
-            {"from": "gpt", "value": "Recursion is when a function calls itself again"}]},
+        {
+            "id": "d",
+            "conversations": [
+                {"from": "human", "value": "Explain recursion with an example please"},
+                {"from": "gpt", "value": "Recursion is when a function calls itself again"},
+            ],
+        },
     ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))

@@ -122,9 +122,13 @@ def test_keys_starting_with_a_dash_survive_the_hand_off() -> None:
     from fornax.cluster.controller import ClusterController
     from fornax.router.cli import router_config
 
-    config = cluster_config(build_parser().parse_args(["serve", "m", "--replicas", "2", "--api-key=-user-key"]))
+    config = cluster_config(
+        build_parser().parse_args(["serve", "m", "--replicas", "2", "--api-key=-user-key"])
+    )
     config = replace(config, replica=replace(config.replica, metrics_key="-generated-key"))
-    router = router_config(router_parser().parse_args(["router", *ClusterController(config).router_args("-ctl")]))
+    router = router_config(
+        router_parser().parse_args(["router", *ClusterController(config).router_args("-ctl")])
+    )
     assert router.replica_poll_key == "-generated-key"
     assert "-user-key" in {k for _, k in router.api_keys} and ("fornax-cluster", "-ctl") in router.admin_keys
 

@@ -186,13 +186,21 @@ def probe_problems(m: Manifests) -> list[str]:
                     problems.append(f"{name}/{c['name']}: no {kind}")
                     continue
                 get = probe.get("httpGet", {})
-                path = LIVENESS_PATH.get(subcommand(c) or "", "/health") if kind == "livenessProbe" else "/health"
+                path = (
+                    LIVENESS_PATH.get(subcommand(c) or "", "/health")
+                    if kind == "livenessProbe"
+                    else "/health"
+                )
                 if get.get("path") != path:
                     problems.append(f"{name}/{c['name']}: {kind} is not an HTTP GET of {path}")
                 if get.get("port") not in declared_ports(c):
-                    problems.append(f"{name}/{c['name']}: {kind} port {get.get('port')!r} is no container port")
+                    problems.append(
+                        f"{name}/{c['name']}: {kind} port {get.get('port')!r} is no container port"
+                    )
             # How long each probe takes to act: period x failures (Kubernetes' defaults 10 and 3).
-            window = {k: c[k].get("periodSeconds", 10) * c[k].get("failureThreshold", 3) for k in kinds if k in c}
+            window = {
+                k: c[k].get("periodSeconds", 10) * c[k].get("failureThreshold", 3) for k in kinds if k in c
+            }
             if window.get("readinessProbe", 0) > 10:
                 problems.append(f"{name}: readiness takes {window['readinessProbe']} s to notice a 503")
             if window.get("livenessProbe", 1e9) < 30:
@@ -241,7 +249,9 @@ def replica_dns_problems(m: Manifests) -> list[str]:
         return [f"--replica-dns names Service {parts[0]!r}, which is not in the manifests"]
     svc, problems = services[0], []
     if svc["spec"].get("clusterIP") != "None":
-        problems.append(f"Service {parts[0]} is not headless (clusterIP: None): DNS would give one virtual IP")
+        problems.append(
+            f"Service {parts[0]} is not headless (clusterIP: None): DNS would give one virtual IP"
+        )
     if svc["metadata"].get("namespace") != parts[1]:
         problems.append(f"--replica-dns namespace {parts[1]!r} is not Service {parts[0]}'s")
     if int(port) not in {p["port"] for p in svc["spec"]["ports"]}:
@@ -274,7 +284,10 @@ def scrape_problems(m: Manifests) -> list[str]:
     for dep in objects(m, "Deployment"):
         name = dep["metadata"]["name"]
         annotations = dep["spec"]["template"]["metadata"].get("annotations", {})
-        if annotations.get("prometheus.io/scrape") != "true" or annotations.get("prometheus.io/path") != "/metrics":
+        if (
+            annotations.get("prometheus.io/scrape") != "true"
+            or annotations.get("prometheus.io/path") != "/metrics"
+        ):
             problems.append(f"{name}: no prometheus.io/scrape and /metrics annotations")
         if "--public-metrics" not in main_container(dep)["args"]:
             problems.append(f"{name}: scraped without a key but run without --public-metrics: 401")
@@ -318,7 +331,11 @@ def resource_problems(m: Manifests) -> list[str]:
             if subcommand(c) == "serve":
                 limit = res.get("limits", {}).get("cpu")
                 threads = flag(resolved_args(c), "--num-threads")
-                if limit is None or not (threads or "").isdigit() or int(threads) != math.ceil(cpu_cores(limit)):
+                if (
+                    limit is None
+                    or not (threads or "").isdigit()
+                    or int(threads) != math.ceil(cpu_cores(limit))
+                ):
                     problems.append(f"{name}: --num-threads {threads} does not match the CPU limit {limit}")
                 omp = env_value(c, "OMP_NUM_THREADS")
                 if omp is not None and omp != threads:
@@ -336,7 +353,9 @@ def model_problems(m: Manifests) -> list[str]:
         return ["no init container runs `fornax pull`"]
     pull, problems = pulls[0], []
     if pull["args"][1:2] != server["args"][1:2]:
-        problems.append(f"the init container pulls {pull['args'][1:2]}, the server serves {server['args'][1:2]}")
+        problems.append(
+            f"the init container pulls {pull['args'][1:2]}, the server serves {server['args'][1:2]}"
+        )
     home = env_value(server, "FORNAX_HOME")
     if home is None or env_value(pull, "FORNAX_HOME") != home:
         problems.append(f"FORNAX_HOME differs: pull {env_value(pull, 'FORNAX_HOME')}, serve {home}")
@@ -386,7 +405,7 @@ def cli_problems(m: Manifests) -> list[str]:
     """Every `fornax` command line parses with fornax's own parser. The router's is checked
     once this fornax has `fornax router`."""
     parser = build_parser()
-    known = next(a for a in parser._subparsers._group_actions).choices  # noqa: SLF001 - argparse's only handle
+    known = next(a for a in parser._subparsers._group_actions).choices
     problems = []
     for dep in objects(m, "Deployment"):
         spec = pod_spec(dep)
@@ -415,7 +434,9 @@ def drain_friendly_problems(name: str, behavior: dict, grace: int) -> list[str]:
     if down.get("stabilizationWindowSeconds", 300) < 300:
         problems.append(f"{name}: scale-down stabilization under 5 minutes")
     policies = down.get("policies", [])
-    if not policies or any((p["type"], p["value"]) != ("Pods", 1) or p["periodSeconds"] < grace for p in policies):
+    if not policies or any(
+        (p["type"], p["value"]) != ("Pods", 1) or p["periodSeconds"] < grace for p in policies
+    ):
         problems.append(f"{name}: scale-down policies are not one pod per >= {grace} s")
     return problems
 
@@ -450,13 +471,16 @@ def keda_problems(m: Manifests, exported: dict[str, str]) -> list[str]:
         problems += query_problems("ScaledObject query", query, exported)
         labels = dict(re.findall(r'(\w+)="([^"]*)"', query))
         if "model_name" in labels and labels["model_name"] != served_model_name(m):
-            problems.append(f"ScaledObject query: model_name {labels['model_name']!r} is not the served model")
+            problems.append(
+                f"ScaledObject query: model_name {labels['model_name']!r} is not the served model"
+            )
     behavior = spec.get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior", {})
     grace = pod_spec(replicas).get("terminationGracePeriodSeconds", 30)
     problems += drain_friendly_problems("ScaledObject", behavior, grace)
     # The behavior block is the HPA's own type: validate it with the HPA schema.
     hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
-           "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2, "behavior": behavior}}  # fmt: skip
+           "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2,
+                    "behavior": behavior}}  # fmt: skip
     try:
         kubernetes_validate.validate(hpa, K8S_VERSIONS[0], strict=True)
     except kubernetes_validate.ValidationError as exc:
@@ -516,7 +540,9 @@ def kustomization_problems(m: Manifests) -> list[str]:
             if doc.get("kind") in {"Namespace", "Kustomization"}:
                 continue
             if doc["metadata"].get("namespace") != namespace:
-                problems.append(f"{file}: {doc['kind']} {doc['metadata']['name']} not in namespace {namespace}")
+                problems.append(
+                    f"{file}: {doc['kind']} {doc['metadata']['name']} not in namespace {namespace}"
+                )
     if namespace not in [d["metadata"]["name"] for d in objects(m, "Namespace")]:
         problems.append(f"no Namespace {namespace} among the resources")
     return problems

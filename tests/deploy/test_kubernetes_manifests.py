@@ -31,11 +31,37 @@ from prometheus_client.parser import text_string_to_metric_families
 from fornax.cli import build_parser
 from fornax.metrics.prometheus import Metrics
 from tests.deploy.manifest_checks import (
-    AUTOSCALER_FILES, DOCKERFILE, K8S_VERSIONS, KDIR, METRIC_NAME, Manifests, by_name, cli_problems,
-    deployment_running, flag, grace_problems, hpa_problems, keda_problems, kustomization,
-    kustomization_problems, load_manifests, main_container, model_problems, objects, pod_spec,
-    port_flag_problems, probe_problems, replica_dns_problems, resolved_args, resource_problems,
-    schema_problems, scrape_problems, secret_problems, secret_refs, selector_problems, set_flag,
+    AUTOSCALER_FILES,
+    DOCKERFILE,
+    K8S_VERSIONS,
+    KDIR,
+    METRIC_NAME,
+    Manifests,
+    by_name,
+    cli_problems,
+    deployment_running,
+    flag,
+    grace_problems,
+    hpa_problems,
+    keda_problems,
+    kustomization,
+    kustomization_problems,
+    load_manifests,
+    main_container,
+    model_problems,
+    objects,
+    pod_spec,
+    port_flag_problems,
+    probe_problems,
+    replica_dns_problems,
+    resolved_args,
+    resource_problems,
+    schema_problems,
+    scrape_problems,
+    secret_problems,
+    secret_refs,
+    selector_problems,
+    set_flag,
 )  # fmt: skip
 
 
@@ -109,13 +135,15 @@ def test_router_command_line(manifests: Manifests) -> None:
     """Named on its own (cli_problems passes over a command this fornax lacks), so that a
     fornax without `fornax router` shows it skipped rather than passed."""
     parser = build_parser()
-    if "router" not in next(a for a in parser._subparsers._group_actions).choices:  # noqa: SLF001
+    if "router" not in next(a for a in parser._subparsers._group_actions).choices:
         pytest.skip("this fornax has no `fornax router` yet")
     router = main_container(deployment_running(manifests, "router"))
     parser.parse_args(resolved_args(router))
 
 
-def test_keda_scales_the_replicas_on_an_exported_gauge(manifests: Manifests, exported: dict[str, str]) -> None:
+def test_keda_scales_the_replicas_on_an_exported_gauge(
+    manifests: Manifests, exported: dict[str, str]
+) -> None:
     assert keda_problems(manifests, exported) == []
 
 
@@ -140,7 +168,9 @@ def test_readme_names_the_secret_and_exported_metrics(manifests: Manifests, expo
         doc = yaml.safe_load(block)
         if not isinstance(doc, dict) or doc.get("kind") != "EndpointPickerConfig":
             continue
-        engines = [e for p in doc.get("plugins", []) for e in p.get("parameters", {}).get("engineConfigs", [])]
+        engines = [
+            e for p in doc.get("plugins", []) for e in p.get("parameters", {}).get("engineConfigs", [])
+        ]
         fornax = [e for e in engines if e["name"] == "fornax"]
         assert fornax, "the EndpointPickerConfig in the README has no engineConfigs entry for fornax"
         for field in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
@@ -159,7 +189,9 @@ def test_dockerfile_matches_the_pods() -> None:
     assert uid and uids == {int(uid.group(1))}
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) is not installed")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) is not installed"
+)
 @pytest.mark.parametrize("autoscaler", [None, *AUTOSCALER_FILES])
 def test_kustomize_builds(tmp_path: Path, autoscaler: str | None) -> None:
     """`kubectl kustomize` renders the base, and the base plus either autoscaler, to valid

@@ -84,7 +84,9 @@ def test_speculative_verification_events(tmp_path):
     build_tiny_model("llama", tmp_path)
     always = {"disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, **always}
-    llm = LLM(str(tmp_path), dtype="float32", num_blocks=128, block_size=4, speculative_config=spec, progress=False)
+    llm = LLM(
+        str(tmp_path), dtype="float32", num_blocks=128, block_size=4, speculative_config=spec, progress=False
+    )
     core = llm.engine
     loop = asyncio.new_event_loop()
     try:

@@ -13,7 +13,7 @@ from fornax import LLM, SamplingParams
 from tests.engine import prompt_ids
 from tests.model.tiny_models import build_tiny_model
 
-SEEDED = dict(temperature=0.8, top_p=0.9, max_tokens=24)
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,9 @@ def _prompts(tok) -> list[list[int]]:
 PARAMS = [
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=33, temperature=0.0, logprobs=3, frequency_penalty=0.7, presence_penalty=0.3),
-    SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, logit_bias={10: 2.0}, min_tokens=12),
+    SamplingParams(
+        max_tokens=30, temperature=0.0, repetition_penalty=1.3, logit_bias={10: 2.0}, min_tokens=12
+    ),
     SamplingParams(max_tokens=37, temperature=0.0, stop=["e "], stop_token_ids=[40]),
 ]
 
@@ -221,8 +223,13 @@ def test_draft_budget_follows_the_targets_weights(models):
     from fornax.spec_decode.controller import DENSE_ROW_COST, QUANTIZED_ROW_COST
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    quantized = LLM(str(models[0]), speculative_config=spec, quantization="int4", progress=False, num_blocks=64)
-    assert (quantized.engine.spec.row_limit, quantized.engine.spec.row_cost) == (SMALL_STEP_MAX_ROWS, QUANTIZED_ROW_COST)
+    quantized = LLM(
+        str(models[0]), speculative_config=spec, quantization="int4", progress=False, num_blocks=64
+    )
+    assert (quantized.engine.spec.row_limit, quantized.engine.spec.row_cost) == (
+        SMALL_STEP_MAX_ROWS,
+        QUANTIZED_ROW_COST,
+    )
     for q in (None, "auto"):  # a safetensors directory carries float tensors only
         dense = LLM(str(models[0]), speculative_config=spec, quantization=q, progress=False, num_blocks=64)
         assert (dense.engine.spec.row_limit, dense.engine.spec.row_cost) == (0, DENSE_ROW_COST)

@@ -22,7 +22,11 @@ def llm(default_gguf):
     # prefix-cache hit changes the attention path of the prefill and with it the last bits of
     # the logits, so caching is off: both runs then compute exactly the same way.
     return LLM(
-        str(default_gguf), dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False, progress=False
+        str(default_gguf),
+        dtype="bfloat16",
+        kv_cache_memory="128MiB",
+        enable_prefix_caching=False,
+        progress=False,
     )
 
 

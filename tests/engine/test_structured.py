@@ -85,13 +85,15 @@ def test_unconstrained_rows_unaffected_bit_for_bit(llm):
         for lp_a, lp_m in zip(a.outputs[0].logprobs, m.outputs[0].logprobs):
             assert lp_a.top_ids == lp_m.top_ids
             assert lp_a.top_logprobs == pytest.approx(lp_m.top_logprobs, abs=1e-4)
-    for m in mixed[len(prompts):]:
+    for m in mixed[len(prompts) :]:
         assert re.fullmatch(REGEX, m.outputs[0].text)
 
 
 def test_json_schema_choice_and_json_object(llm):
     prompts = _prompts(llm)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA}))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA})
+    )
     for r in outs:
         value = json.loads(r.outputs[0].text)
         assert set(value) == {"kind", "ok", "count"} and value["kind"] in {"cat", "dog", "bird"}
@@ -146,7 +148,10 @@ def test_speculative_decoding_matches_plain_constrained_output(model_dir, llm, m
     tok = llm.get_tokenizer()
     # Repetitive prompts so n-gram drafts exist; some drafts break the grammar and must be refused.
     prompts = [tok.encode("abc-12 abc-12 abc-12 abc-12 ab"), *_prompts(llm)]
-    params = [_regex_params(min_tokens=3), SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA})]
+    params = [
+        _regex_params(min_tokens=3),
+        SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": SCHEMA}),
+    ]
     plain = llm.generate(prompts * 2, params * len(prompts))
     spec_llm = _llm(model_dir, speculative_config=spec)
     drafted = spec_llm.generate(prompts * 2, params * len(prompts))

@@ -59,7 +59,9 @@ def test_save_then_load_restores_blocks(primary: str, form: bool) -> None:
     bs, hkv, d, layers_n, blocks = 4, 2, 8, 3, 6
     layers = [LayerKV.allocate(blocks * bs, hkv, d, torch.float32, primary) for _ in range(layers_n)]
     for layer in layers:
-        layer.write(torch.arange(blocks * bs), torch.randn(blocks * bs, hkv, d), torch.randn(blocks * bs, hkv, d))
+        layer.write(
+            torch.arange(blocks * bs), torch.randn(blocks * bs, hkv, d), torch.randn(blocks * bs, hkv, d)
+        )
     before = [layer.gather(torch.arange(blocks * bs), torch.float32) for layer in layers]
     layout = BlockLayout(layers_n, bs, hkv, d, torch.float32, form)
     pool = HostPool(layout, 4)

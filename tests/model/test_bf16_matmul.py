@@ -18,7 +18,9 @@ from fornax.layers.linear import DenseBf16, Linear
 from fornax.layers.native import load_bf16_matmul
 
 KERNEL = load_bf16_matmul()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 BF16 or no C compiler: torch's linear is used")
+pytestmark = pytest.mark.skipif(
+    KERNEL is None, reason="no AVX-512 BF16 or no C compiler: torch's linear is used"
+)
 
 
 def _assert_rounded_once(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -65,7 +67,9 @@ def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
     lin.weight.data.copy_(torch.randn(40, 64, generator=gen))
     lin.bias.data.copy_(torch.randn(40, generator=gen))
     lin.set_dense_small_step(max_rows=4)
-    assert isinstance(lin.small, DenseBf16) and lin.small.weight.data_ptr() == lin.weight.data_ptr()  # no copy
+    assert (
+        isinstance(lin.small, DenseBf16) and lin.small.weight.data_ptr() == lin.weight.data_ptr()
+    )  # no copy
     small, large = torch.randn(4, 64).bfloat16(), torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(lin(small), KERNEL(small, lin.weight.data) + lin.bias, rtol=0, atol=0)
     torch.testing.assert_close(lin(large), F.linear(large, lin.weight, lin.bias), rtol=0, atol=0)

@@ -14,7 +14,7 @@ from fornax.chat_template import ChatTemplateError, render_chat_template
 from fornax.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
-USER = {"role": "user", "content": "什么是 LLM 推理？ Answer in <b>one</b> line & be \"exact\"."}
+USER = {"role": "user", "content": '什么是 LLM 推理？ Answer in <b>one</b> line & be "exact".'}
 ASSISTANT = {"role": "assistant", "content": "Running a trained model 😀."}
 CONVERSATIONS = {
     "system_user": [SYSTEM, USER],
@@ -22,10 +22,7 @@ CONVERSATIONS = {
     "no_system": [USER],  # SmolLM's template inserts its default system prompt
     "no_system_multi_turn": [USER, ASSISTANT, {"role": "user", "content": "\tand\n\nthen"}],
 }
-TOOLS = [
-    {"type": "function", "function": {"name": "météo", "description": "a <b> & 'c'", "parameters": {}}}
-]
-
+TOOLS = [{"type": "function", "function": {"name": "météo", "description": "a <b> & 'c'", "parameters": {}}}]
 
 
 @pytest.mark.parametrize("add_generation_prompt", [False, True])

@@ -27,7 +27,9 @@ PROMPTS = [
 def pair(gemma3_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ours = LLM(str(gemma3_gguf), dtype="float32", kv_cache_memory="128MiB", max_model_len=1024, progress=False)
+    ours = LLM(
+        str(gemma3_gguf), dtype="float32", kv_cache_memory="128MiB", max_model_len=1024, progress=False
+    )
     root, name = str(gemma3_gguf.parent), gemma3_gguf.name
     hf = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(root, gguf_file=name)
@@ -72,7 +74,10 @@ def test_greedy_matches_transformers(pair):
         ids = out.prompt_token_ids
         with torch.inference_mode():
             ref = hf.generate(
-                torch.tensor([ids]), max_new_tokens=32, do_sample=False, attention_mask=torch.ones(1, len(ids))
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids)),
             )[0, len(ids) :].tolist()
         assert out.outputs[0].token_ids == ref, prompt
     ours.engine.check_integrity()

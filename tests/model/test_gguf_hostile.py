@@ -9,7 +9,6 @@ length and count fields set to huge values) and load every result.
 from __future__ import annotations
 
 import random
-import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -209,7 +208,9 @@ def test_zero_dimension(tmp_path: Path, base: Base) -> None:
 def test_empty_dims_list(tmp_path: Path, base: Base) -> None:
     blob, fields, _ = base
     bad = _patch(blob, _field(fields, "n_dims", "output_norm.weight"), 0)
-    _expect_error(tmp_path / "e.gguf", r"tensor 'output_norm.weight' has 0 dimensions \(1 to 4 allowed\)", bad)
+    _expect_error(
+        tmp_path / "e.gguf", r"tensor 'output_norm.weight' has 0 dimensions \(1 to 4 allowed\)", bad
+    )
 
 
 def test_too_many_dims(tmp_path: Path, base: Base) -> None:
@@ -241,7 +242,9 @@ def test_arrays_nested_two_deep_are_fine(tmp_path: Path) -> None:
 def test_string_length_past_eof(tmp_path: Path, base: Base, length: int) -> None:
     blob, fields, _ = base
     bad = _patch(blob, _field(fields, "string_len", "tokenizer.ggml.tokens"), length)
-    _expect_error(tmp_path / "s.gguf", f"'tokenizer.ggml.tokens': string length {length} runs past the end", bad)
+    _expect_error(
+        tmp_path / "s.gguf", f"'tokenizer.ggml.tokens': string length {length} runs past the end", bad
+    )
 
 
 @pytest.mark.parametrize("count", [1 << 63, (1 << 64) - 1, 1 << 32])

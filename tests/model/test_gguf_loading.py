@@ -95,7 +95,9 @@ def test_permuted_f32_gguf_matches_transformers(tiny_llama, tmp_path):
     cache = KVCache(loaded.config, 4, 16, torch.float32)
     with torch.inference_mode():
         meta = build_attention_metadata([SeqSpan(0, len(ids), [1, 3, 0])], 16)
-        ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
+        )
         ref = tiny_llama(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
 
@@ -197,7 +199,7 @@ def test_unsupported_architecture_and_quant_type(tiny_llama, tmp_path):
 
 def test_bad_hf_directories(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ModelSourceError, match="no \\*.safetensors"):
+    with pytest.raises(ModelSourceError, match=r"no \*.safetensors"):
         resolve_model(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):

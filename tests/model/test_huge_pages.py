@@ -31,7 +31,9 @@ def _mapping_flags(ptr: int) -> str:
 
 
 def test_zeros_are_untouched_until_written_aligned_and_advised():
-    pools = hugepages.zeros_many([((4096 * 16, 3, 64), torch.bfloat16)] * 2 + [((1000, 3), torch.float32)])  # 2 x 12 MiB
+    pools = hugepages.zeros_many(
+        [((4096 * 16, 3, 64), torch.bfloat16)] * 2 + [((1000, 3), torch.float32)]
+    )  # 2 x 12 MiB
     first = pools[0]
     assert first.shape == (4096 * 16, 3, 64) and first.dtype == torch.bfloat16 and first.is_contiguous()
     assert first.data_ptr() % hugepages.HUGE_PAGE == 0
@@ -84,11 +86,17 @@ def test_model_weights_packed_shared_and_same_tokens(tmp_path, monkeypatch):
     model = packed.engine.runner.model
     assert [o.outputs[0].token_ids for o in packed.generate(prompts, params)] == expected
     cache = packed.engine.runner.kv_cache
-    assert all(" hg" in _mapping_flags(pool.data_ptr()) for layer in cache.layers for pool in layer.tensors())  # KV pools too
+    assert all(
+        " hg" in _mapping_flags(pool.data_ptr()) for layer in cache.layers for pool in layer.tensors()
+    )  # KV pools too
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(" hg" in _mapping_flags(m.weight.data_ptr()) for m in linears)
     for m in linears:
         if isinstance(m.mid, DenseBf16):  # the dense form holds the Linear's own weight
             assert m.mid.weight.data_ptr() == m.weight.data_ptr()
         if m.small is not None:
-            assert all(" hg" in _mapping_flags(t.data_ptr()) for t in vars(m.small).values() if isinstance(t, torch.Tensor))
+            assert all(
+                " hg" in _mapping_flags(t.data_ptr())
+                for t in vars(m.small).values()
+                if isinstance(t, torch.Tensor)
+            )

@@ -23,7 +23,9 @@ from fornax.layers.linear import DenseBf16, Int8Rotated, Linear, hadamard_blocks
 from fornax.layers.native import load_int8_matmul
 
 KERNEL = load_int8_matmul()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 VNNI or no C compiler: large steps stay bf16")
+pytestmark = pytest.mark.skipif(
+    KERNEL is None, reason="no AVX-512 VNNI or no C compiler: large steps stay bf16"
+)
 
 
 def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

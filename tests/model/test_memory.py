@@ -45,8 +45,13 @@ print(json.dumps({**report.as_dict(), "table": report.table()}))
 def test_breakdown_sums_to_the_resident_set(default_gguf):
     """In a fresh interpreter holding only this engine, as a server does: inside the test
     process the heap also holds what every earlier test left behind, which no owner claims."""
-    child = subprocess.run([sys.executable, "-c", BREAKDOWN_CHILD, str(default_gguf)],
-                           capture_output=True, text=True, timeout=300, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", BREAKDOWN_CHILD, str(default_gguf)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(child.stdout.strip().splitlines()[-1])
     owners = report["owners"]
     # what this model must hold: its int4/int8 forms and the w8a8 ones, KV written by the requests
@@ -105,7 +110,9 @@ def test_the_tied_table_is_held_once_in_dense_models(default_gguf):
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "F16", "BF16", "F32", "Q4_1", "Q5_0"])  # the last two: gguf's path
+@pytest.mark.parametrize(
+    "type_name", ["Q8_0", "F16", "BF16", "F32", "Q4_1", "Q5_0"]
+)  # the last two: gguf's path
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_file_embedding_rows_equal_the_dense_table(type_name, dtype):
     """Rows converted on lookup, bit for bit what the loader's whole-table conversion gives
@@ -138,7 +145,9 @@ def test_automatic_kv_budget_follows_model_and_machine():
     per_token = 30 * 2 * 3 * 64 * 2  # the default model: 30 layers, K and V, 3 heads of 64, bf16
     one_sequence = per_token * 8192
     # a share of the machine's memory, within [one max-length sequence, max_num_seqs of them]
-    assert default_kv_cache_memory(per_token, 8192, 64, total=24 << 30) == int(KV_CACHE_MEMORY_FRACTION * (24 << 30))
+    assert default_kv_cache_memory(per_token, 8192, 64, total=24 << 30) == int(
+        KV_CACHE_MEMORY_FRACTION * (24 << 30)
+    )
     assert default_kv_cache_memory(per_token, 8192, 64, total=1 << 30) == one_sequence
     assert default_kv_cache_memory(per_token, 8192, 4, total=1 << 40) == 4 * one_sequence
 

@@ -58,7 +58,14 @@ def _step(seed: int, dtype: torch.dtype, spans_shape: list[tuple[int, int]], dim
         return torch.randn(*shape, generator=gen).to(dtype)
 
     cache_k, cache_v = rand(num_blocks * BLOCK, KV_HEADS, dim), rand(num_blocks * BLOCK, KV_HEADS, dim)
-    return spans, rand(total, HEADS, dim), rand(total, KV_HEADS, dim), rand(total, KV_HEADS, dim), cache_k, cache_v
+    return (
+        spans,
+        rand(total, HEADS, dim),
+        rand(total, KV_HEADS, dim),
+        rand(total, KV_HEADS, dim),
+        cache_k,
+        cache_v,
+    )
 
 
 def _pool(cache_k, cache_v, kv_cache_dtype):
@@ -77,13 +84,28 @@ def _attend(spans, q, k, v, cache_k, cache_v, kernel, window, kv_cache_dtype="au
 
 # A long chunk over a long context (SDPA), one over a short context and a fresh short prompt
 # (both kernel), among decodes and verification runs.
-MIXED = [(37, 1), (0, 1), (130, 1), (64, 5), (200, KERNEL_MAX_QUERIES), (KERNEL_MAX_CONTEXT, 40), (48, 40), (0, 30), (15, 1)]
+MIXED = [
+    (37, 1),
+    (0, 1),
+    (130, 1),
+    (64, 5),
+    (200, KERNEL_MAX_QUERIES),
+    (KERNEL_MAX_CONTEXT, 40),
+    (48, 40),
+    (0, 30),
+    (15, 1),
+]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize(
     ("dtype", "window", "tol"),
-    [(torch.float32, None, 2e-5), (torch.float32, 24, 2e-5), (torch.bfloat16, None, 2e-2), (torch.bfloat16, 24, 2e-2)],
+    [
+        (torch.float32, None, 2e-5),
+        (torch.float32, 24, 2e-5),
+        (torch.bfloat16, None, 2e-2),
+        (torch.bfloat16, 24, 2e-2),
+    ],
 )
 def test_kernel_matches_torch_path_on_a_mixed_step(dtype, window, tol, kv_cache_dtype):
     spans, q, k, v, ck, cv = _step(0, dtype, MIXED)
@@ -156,15 +178,22 @@ def test_a_fresh_prompt_on_sdpa_attends_to_its_int8_rows():
 
     def causal(kk, vv):
         return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+            q.transpose(0, 1)[None],
+            kk.transpose(0, 1)[None],
+            vv.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
         )[0].transpose(0, 1)
+
     assert (got - causal(kq, vq)).abs().max().item() < 1e-5
     assert (got - causal(k, v)).abs().max().item() > 1e-3  # so the int8 rows were what it read
 
 
 def test_quantize_rows_rounds_each_head_row_to_its_own_scale():
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(7, KV_HEADS, DIM, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]  # per-head ranges
+    x = (
+        torch.randn(7, KV_HEADS, DIM, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]
+    )  # per-head ranges
     x[3, 1] = 0  # an all-zero row stays exactly zero (no division by a zero scale)
     q, scale = quantize_rows(x)
     assert q.dtype == torch.int8 and scale.shape == (7, KV_HEADS)
@@ -185,7 +214,7 @@ def test_kernel_reads_the_new_tokens_written_this_step():
 
 
 def test_kernel_rejects_wrong_index_dtype():
-    spans, q, k, v, ck, cv = _step(3, torch.float32, [(10, 1)])
+    spans, q, _k, _v, ck, cv = _step(3, torch.float32, [(10, 1)])
     meta = build_attention_metadata(spans, BLOCK, kernel=KERNEL)
     kr = meta.kernel_rows
     with pytest.raises(ValueError, match="int32"):
@@ -217,8 +246,12 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     out = norm(x)
     add_out, summed = norm.add_forward(x, residual)
     assert torch.equal(summed, ref_sum)  # the add rounds exactly like torch's
-    assert (out.float() - ref_out.float()).abs().max().item() <= TOL[dtype] * ref_out.float().abs().max().item()
-    assert (add_out.float() - ref_add_out.float()).abs().max().item() <= TOL[dtype] * ref_add_out.float().abs().max().item()
+    assert (out.float() - ref_out.float()).abs().max().item() <= TOL[
+        dtype
+    ] * ref_out.float().abs().max().item()
+    assert (add_out.float() - ref_add_out.float()).abs().max().item() <= TOL[
+        dtype
+    ] * ref_add_out.float().abs().max().item()
     assert norm.add_forward(x, None)[1] is x
 
 
@@ -233,7 +266,10 @@ def test_gemma_norm_with_a_float32_weight(dtype, rows):
     assert (out.float() - ref.float()).abs().max().item() <= TOL[dtype] * ref.float().abs().max().item()
     heads = torch.randn(rows, 4, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     w256 = weight[:256].contiguous()
-    ref_h, out_h = TorchOps().rms_norm_f32_weight(heads, w256, 1e-6), NativeOps(FUSED).rms_norm_f32_weight(heads, w256, 1e-6)
+    ref_h, out_h = (
+        TorchOps().rms_norm_f32_weight(heads, w256, 1e-6),
+        NativeOps(FUSED).rms_norm_f32_weight(heads, w256, 1e-6),
+    )
     assert out_h.shape == heads.shape
     assert (out_h.float() - ref_h.float()).abs().max().item() <= TOL[dtype] * ref_h.float().abs().max().item()
     if dtype == torch.bfloat16:  # rounds where torch rounds: all but a rare last-bit tie of the mean's order
@@ -244,9 +280,13 @@ def test_gemma_norm_with_a_float32_weight(dtype, rows):
 @pytest.mark.parametrize("rows", [1, 20])
 def test_rotary_in_place_matches_apply_rotary(dtype, rows):
     heads, kv_heads, dim = HEADS, KV_HEADS, DIM
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(5)).to(
+        dtype
+    )
     rope = RotaryEmbedding(dim, 4096, 10000.0, None)
-    cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(6)), dtype)
+    cos, sin = rope.cos_sin(
+        torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(6)), dtype
+    )
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     ref_q = apply_rotary(q.reshape(rows, heads, dim), cos[:, None], sin[:, None])
     ref_k = apply_rotary(k.reshape(rows, kv_heads, dim), cos[:, None], sin[:, None])

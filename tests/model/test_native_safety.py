@@ -337,5 +337,5 @@ def test_checks_name_the_argument():
         native.check_paged_indices(tables + 5, zero, zero, rows=1, num_slots=8, block_size=4)
     with pytest.raises(IndexError, match="slots"):
         native.check_slots(torch.tensor([8]), 1, 8)
-    with pytest.raises(ValueError, match="slots must be a contiguous torch.int64"):
+    with pytest.raises(ValueError, match=r"slots must be a contiguous torch.int64"):
         native.check_slots(torch.tensor([1], dtype=torch.int32), 1, 8)

@@ -54,7 +54,13 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
         ("float32", "int8", 24, None, "auto"),
         ("bfloat16", "int8", 24, None, "auto"),
         ("bfloat16", None, 24, None, "auto"),
-        ("bfloat16", "int4", 2, None, "auto"),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
+        (
+            "bfloat16",
+            "int4",
+            2,
+            None,
+            "auto",
+        ),  # batches of 3-4 rows: past the int4 tier, into the bf16 mid tier
         ("bfloat16", "int4", 2, "w8a8", "auto"),  # 3-4 rows: the int8 x int8 tier, in place of the mid one
         ("bfloat16", None, 0, "w8a8", "auto"),  # every step int8 x int8
         ("float32", "int8", 1 << 30, None, "auto"),  # every step int8, the 91-row prefill in chunks of 64
@@ -79,7 +85,9 @@ def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, lar
         assert all(isinstance(m.large, Int8Rotated) and m.mid is None for m in linears)
         assert tiers == ([small_rows] if small_rows else []) + [UNBOUNDED_ROWS]
     elif quantization is None:  # dense bf16: the native bf16 form, to its own row limit
-        assert all(isinstance(m.small, DenseBf16) and m.small_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
+        assert all(
+            isinstance(m.small, DenseBf16) and m.small_max_rows == DENSE_BF16_MAX_ROWS for m in linears
+        )
         assert tiers == [DENSE_BF16_MAX_ROWS]
     elif dtype == "bfloat16":  # quantized up to small_rows, then the bf16 tier
         assert all(isinstance(m.mid, DenseBf16) and m.mid_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
@@ -93,7 +101,9 @@ def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, lar
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids, arch
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert (lx.logprob, lx.top_ids, lx.top_logprobs) == (ly.logprob, ly.top_ids, ly.top_logprobs), arch
+            assert (lx.logprob, lx.top_ids, lx.top_logprobs) == (ly.logprob, ly.top_ids, ly.top_logprobs), (
+                arch
+            )
     fused.engine.check_integrity()
 
 

@@ -18,7 +18,9 @@ from fornax.layers.linear import BlockInt4, BlockInt8, Int4Grouped, Linear
 from fornax.layers.native import load_quant_matmul
 
 KERNEL = load_quant_matmul()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 VNNI or no C compiler: torch's kernels are used")
+pytestmark = pytest.mark.skipif(
+    KERNEL is None, reason="no AVX-512 VNNI or no C compiler: torch's kernels are used"
+)
 
 
 def _rounded_activations(x: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,9 @@ def test_q4k_blocks_unpack_to_what_gguf_dequantizes():
 def test_auto_uses_the_default_models_own_q4_blocks(default_gguf, backend):
     if backend == "native" and load_quant_matmul() is None:
         pytest.skip("no AVX-512 VNNI or no C compiler: the torch forms are used")
-    loaded = load_model(str(default_gguf), "bfloat16", progress=False, small_step=("auto", 24), kernel_backend=backend)
+    loaded = load_model(
+        str(default_gguf), "bfloat16", progress=False, small_step=("auto", 24), kernel_backend=backend
+    )
     q4, q8 = (Int4Grouped, Int8PerChannel) if backend == "torch" else (BlockInt4, BlockInt8)
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
     assert isinstance(loaded.model.lm_head.small, q8)  # the Q8_0 (tied) embedding
@@ -150,7 +152,13 @@ def test_quantized_perplexity_stays_close_to_bf16(default_gguf):
     # int8 LM head: it should cost less than requantizing, well inside the int8 bound.
     assert ppl["auto"].perplexity <= base * 1.02, ppl
     # int8 activations too (large steps, here every step): the int8 bound still holds
-    w8a8 = LLM(str(default_gguf), small_step_max_rows=0, large_step_quantization="w8a8", large_step_min_rows=1, progress=False)
+    w8a8 = LLM(
+        str(default_gguf),
+        small_step_max_rows=0,
+        large_step_quantization="w8a8",
+        large_step_min_rows=1,
+        progress=False,
+    )
     ppl["w8a8"] = perplexity(w8a8, text, window=256, max_windows=3)
     assert ppl["w8a8"].perplexity <= base * 1.02, ppl
 

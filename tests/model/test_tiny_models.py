@@ -28,7 +28,7 @@ def tiny(request, tmp_path_factory):
 
 
 def test_config_mapped(tiny):
-    arch, hf, llm = tiny
+    arch, _hf, llm = tiny
     cfg = llm.engine.model_config
     assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
     assert cfg.attention_bias == (arch == "qwen2")
@@ -39,14 +39,17 @@ def test_config_mapped(tiny):
 
 
 def test_logits_match_transformers(tiny):
-    arch, hf, llm = tiny
+    _arch, hf, llm = tiny
     model = llm.engine.runner.model
     ids = PROMPTS[1]
     cache = KVCache(llm.engine.model_config, 8, 16, torch.float32)
     with torch.inference_mode():
         c = model.config
         meta = build_attention_metadata(
-            [SeqSpan(0, len(ids), [2, 0, 5, 1])], 16, c.sliding_window, interleaved=c.interleaves_sliding_window
+            [SeqSpan(0, len(ids), [2, 0, 5, 1])],
+            16,
+            c.sliding_window,
+            interleaved=c.interleaves_sliding_window,
         )
         ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
         ref = hf(torch.tensor([ids])).logits[0]
@@ -60,7 +63,10 @@ def test_greedy_matches_transformers(tiny):
     for prompt, out in zip(PROMPTS, outs):
         with torch.inference_mode():
             ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, attention_mask=torch.ones(1, len(prompt))
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt)),
             )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == ref, f"{arch}: prompt {prompt[:5]}..."
     llm.engine.check_integrity()
@@ -69,8 +75,10 @@ def test_greedy_matches_transformers(tiny):
 
 def test_torch_backend_matches_transformers(tiny):
     """The torch-ops path (no native kernels): the reference the kernels are tested against."""
-    arch, hf, llm = tiny
-    ref_llm = LLM(llm.engine.config.model, dtype="float32", num_blocks=64, kernel_backend="torch", progress=False)
+    arch, _hf, llm = tiny
+    ref_llm = LLM(
+        llm.engine.config.model, dtype="float32", num_blocks=64, kernel_backend="torch", progress=False
+    )
     assert ref_llm.engine.runner.attention_kernel is None
     if load_paged_attention() is not None:  # so the other tests here did run the kernels
         assert llm.engine.runner.attention_kernel is not None

@@ -23,7 +23,6 @@ CORPUS = [
 SPECIAL_TEXT = CORPUS[6]
 
 
-
 @pytest.fixture(scope="module")
 def from_dir(reference: Any, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tokenizer_dir")

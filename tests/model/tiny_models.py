@@ -46,20 +46,20 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
     """Build, randomize and save a tiny model of `arch`; returns the fp32 HF model."""
     import transformers
 
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
+    common = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)
     elif arch == "llama3":  # Llama 3.1-style RoPE scaling, tied embeddings

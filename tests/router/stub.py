@@ -117,7 +117,10 @@ class StubReplica:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub"} for m in self.models]}
+            return {
+                "object": "list",
+                "data": [{"id": m, "object": "model", "owned_by": "stub"} for m in self.models],
+            }
 
         @app.post("/v1/chat/completions")
         @app.post("/v1/completions")
@@ -126,7 +129,14 @@ class StubReplica:
             try:
                 body = await request.json()
             except ValueError:
-                err = {"error": {"message": "bad json", "type": "invalid_request_error", "param": None, "code": None}}
+                err = {
+                    "error": {
+                        "message": "bad json",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
                 return JSONResponse(err, 400)
             self.requests.append(body)
             self.peers.append(request.client.port if request.client else 0)
@@ -139,7 +149,9 @@ class StubReplica:
         if mode.startswith("status:"):
             status = int(mode.split(":")[1])
             headers = {"Retry-After": "7"} if status == 429 else None
-            err = {"error": {"message": f"{self.name} says {status}", "type": "x", "param": None, "code": None}}
+            err = {
+                "error": {"message": f"{self.name} says {status}", "type": "x", "param": None, "code": None}
+            }
             return JSONResponse(err, status, headers=headers)
         if not body.get("stream"):
             await asyncio.sleep(4 * self.delay)
@@ -152,7 +164,7 @@ class StubReplica:
     async def _events(self, mode: str) -> AsyncIterator[str]:
         if mode.startswith("error_event:"):
             kind = mode.split(":")[1]
-            yield f'data: {json.dumps({"error": {"message": "engine gone", "type": kind}})}\n\n'
+            yield f"data: {json.dumps({'error': {'message': 'engine gone', 'type': kind}})}\n\n"
             yield "data: [DONE]\n\n"
             return
         yield chunk(role=True)

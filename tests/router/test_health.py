@@ -86,7 +86,9 @@ def test_parse_load_from_prometheus_client_text() -> None:
     running.labels("m2").set(2)  # summed over label sets
     Gauge("fornax:num_requests_waiting", "w", ["model_name"], registry=registry).labels("m1").set(7)
     Gauge("fornax:kv_cache_usage_perc", "kv", ["model_name"], registry=registry).labels("m1").set(0.5)
-    Histogram("fornax:e2e_request_latency_seconds", "h", ["model_name"], registry=registry).labels("m1").observe(1)
+    Histogram("fornax:e2e_request_latency_seconds", "h", ["model_name"], registry=registry).labels(
+        "m1"
+    ).observe(1)
     Counter("fornax:num_requests_running_total_decoy", "d", registry=registry).inc(100)  # prefix-alike
     text = generate_latest(registry).decode()
     assert parse_load(text) == (5.0, 7.0, 0.5)
@@ -192,7 +194,11 @@ def test_replica_set_membership_from_threads() -> None:
         t.join()
     assert sorted(replicas.urls()) == sorted(urls)
     replica = replicas.get(urls[0])
-    assert replica is not None and replicas.add(urls[0], {"pool": "b"}) is replica and replica.tags == {"pool": "b"}
+    assert (
+        replica is not None
+        and replicas.add(urls[0], {"pool": "b"}) is replica
+        and replica.tags == {"pool": "b"}
+    )
     replica.begin_request()
     assert replicas.remove(urls[0]) and not replicas.remove(urls[0])
     assert replica.removed and not replica.available and replicas.draining() == [replica]

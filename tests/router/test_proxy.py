@@ -66,7 +66,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def events(r: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in r.text.split("\n\n") if line.startswith("data: ")]
 
 
 def stream(url: str, body: dict, **kw: object) -> tuple[httpx.Response, list[tuple[float, str]]]:
@@ -76,7 +76,7 @@ def stream(url: str, body: dict, **kw: object) -> tuple[httpx.Response, list[tup
                       **kw) as r:  # type: ignore[arg-type]  # fmt: skip
         for line in r.iter_lines():
             if line.startswith("data: "):
-                out.append((time.monotonic(), line[len("data: "):]))
+                out.append((time.monotonic(), line[len("data: ") :]))
     return r, out
 
 
@@ -91,10 +91,13 @@ def test_plain_request_and_headers(stubs: tuple[StubReplica, StubReplica]) -> No
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == MODEL
         assert httpx.get(url + "/health").json()["healthy_replicas"] == 2
         metrics = httpx.get(url + "/metrics").text
-        for line in ('fornax_router:routing_decisions_total{policy="round-robin",reason="round_robin"} 2.0',
-                     'fornax_router:e2e_request_latency_seconds_count{endpoint="chat"} 2.0',
-                     f'fornax_router:requests_total{{outcome="ok",replica="{a.url}"}} 1.0',
-                     "fornax_router:healthy_replicas 2.0", f'fornax_router:replica_inflight{{replica="{b.url}"}} 0.0'):
+        for line in (
+            'fornax_router:routing_decisions_total{policy="round-robin",reason="round_robin"} 2.0',
+            'fornax_router:e2e_request_latency_seconds_count{endpoint="chat"} 2.0',
+            f'fornax_router:requests_total{{outcome="ok",replica="{a.url}"}} 1.0',
+            "fornax_router:healthy_replicas 2.0",
+            f'fornax_router:replica_inflight{{replica="{b.url}"}} 0.0',
+        ):
             assert line in metrics, line
 
 
@@ -159,11 +162,15 @@ def test_429_everywhere_passes_the_last_one(stubs: tuple[StubReplica, StubReplic
     a.mode = b.mode = "status:429"
     with router([a.url, b.url], max_attempts=3) as (url, rt):
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
-        assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-fornax-attempts"] == "3"
+        assert (
+            r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-fornax-attempts"] == "3"
+        )
         assert len(a.requests) + len(b.requests) == 3 and len(a.requests) >= 1 and len(b.requests) >= 1
         assert all(rep.health.healthy for rep in rt.replicas)
         b.mode = "ok"
-        r = httpx.post(url + "/v1/chat/completions", json=CHAT)  # a 429s, b answers: the client never sees a 429
+        r = httpx.post(
+            url + "/v1/chat/completions", json=CHAT
+        )  # a 429s, b answers: the client never sees a 429
         assert r.status_code == 200 and r.json()["replica"] == "b"
 
 
@@ -282,9 +289,16 @@ def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> N
                 replica_api_key="replica-key") as (url, rt):  # fmt: skip
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer no"}).status_code == 401
+        assert (
+            httpx.post(
+                url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer no"}
+            ).status_code
+            == 401
+        )
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=user)
-        assert r.status_code == 200 and r.json()["auth"] == "Bearer replica-key"  # the replica key, not the user's
+        assert (
+            r.status_code == 200 and r.json()["auth"] == "Bearer replica-key"
+        )  # the replica key, not the user's
         assert httpx.get(url + "/health").status_code == 200  # public
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/router/replicas", headers=user).status_code == 403
@@ -292,12 +306,19 @@ def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> N
         assert r.status_code == 201 and r.json()["tags"] == {"tag": "long"}
         listed = httpx.get(url + "/router/replicas", headers=admin).json()
         assert [x["url"] for x in listed["data"]] == [a.url, b.url]
-        wait_for(lambda: all(x["healthy"] for x in httpx.get(url + "/router/replicas", headers=admin).json()["data"]))
+        wait_for(
+            lambda: all(
+                x["healthy"] for x in httpx.get(url + "/router/replicas", headers=admin).json()["data"]
+            )
+        )
         assert {httpx.post(url + "/v1/chat/completions", json=CHAT, headers=user).json()["replica"]
                 for _ in range(2)} == {"a", "b"}  # fmt: skip
         r = httpx.request("DELETE", url + "/router/replicas", json={"url": a.url}, headers=admin)
         assert r.status_code == 200 and rt.replicas.urls() == [b.url]
-        assert httpx.request("DELETE", url + "/router/replicas", json={"url": a.url}, headers=admin).status_code == 404
+        assert (
+            httpx.request("DELETE", url + "/router/replicas", json={"url": a.url}, headers=admin).status_code
+            == 404
+        )
         assert httpx.post(url + "/router/replicas", json={"url": "nope"}, headers=admin).status_code == 400
 
 
@@ -319,14 +340,14 @@ def test_polls_carry_the_poll_key_and_relayed_requests_do_not(own_stubs: tuple[S
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer tenant-1"})
         assert r.json()["auth"] == ("Bearer tenant-1" if replica_key is None else f"Bearer {replica_key}")
         wait_for(lambda: a.poll_auth.keys() >= {"/health", "/metrics", "/v1/models"})
-    assert a.poll_auth == dict.fromkeys(("/health", "/metrics", "/v1/models"), {"Bearer poll-key"})
+    assert a.poll_auth == {path: {"Bearer poll-key"} for path in ("/health", "/metrics", "/v1/models")}
 
 
 def test_polls_fall_back_to_the_replica_key(own_stubs: tuple[StubReplica, StubReplica]) -> None:
     a, _ = own_stubs
     with router([a.url], replica_api_key="relay-key") as (url, _):
         assert httpx.post(url + "/v1/chat/completions", json=CHAT).json()["auth"] == "Bearer relay-key"
-    assert a.poll_auth == dict.fromkeys(("/health", "/metrics", "/v1/models"), {"Bearer relay-key"})
+    assert a.poll_auth == {path: {"Bearer relay-key"} for path in ("/health", "/metrics", "/v1/models")}
 
 
 def test_removed_replica_drains(stubs: tuple[StubReplica, StubReplica]) -> None:
@@ -347,7 +368,10 @@ def test_removed_replica_drains(stubs: tuple[StubReplica, StubReplica]) -> None:
 
 def test_in_process_membership_from_another_thread(stubs: tuple[StubReplica, StubReplica]) -> None:
     a, b = stubs
-    with router([a.url], poll_interval_s=10.0) as (url, rt):  # no poll round will come: the add polls at once
+    with router([a.url], poll_interval_s=10.0) as (
+        _url,
+        rt,
+    ):  # no poll round will come: the add polls at once
         import threading
 
         t = threading.Thread(target=rt.replicas.add, args=(b.url,), kwargs={"tags": {"zone": "x"}})
@@ -361,6 +385,8 @@ def test_body_limit_and_bad_json(stubs: tuple[StubReplica, StubReplica]) -> None
     with router([a.url], max_body_bytes=1000) as (url, _):
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "pad": "x" * 2000})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-        r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r = httpx.post(
+            url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code in (400, 422)  # the replica's answer, relayed (the stub is FastAPI)
         assert r.headers["x-fornax-replica"] == a.url

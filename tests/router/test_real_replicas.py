@@ -9,6 +9,7 @@ The failover test runs last: it kills a replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -45,8 +46,11 @@ class Fleet:
         cmd = [sys.executable, "-m", "fornax.cli", "router", "--replica", self.a.url, "--replica", self.b.url,
                "--policy", "round-robin", "--poll-interval", "0.25", "--port", str(self.port), "--no-access-log",
                "--api-key", ROUTER_KEY, "--admin-key", f"ops:{ADMIN_KEY}"]  # fmt: skip
-        self.router_log = open(tmp / "router.log", "wb")
-        self.router = subprocess.Popen(cmd, cwd=ROOT, stdout=self.router_log, stderr=subprocess.STDOUT)
+        # The log stays open until stop(): pop_all() hands it over once the router has started.
+        with contextlib.ExitStack() as files:
+            self.router_log = files.enter_context(open(tmp / "router.log", "wb"))
+            self.router = subprocess.Popen(cmd, cwd=ROOT, stdout=self.router_log, stderr=subprocess.STDOUT)
+            self.router_files = files.pop_all()
         self.restarted: ServerProcess | None = None
 
     def wait(self) -> None:
@@ -74,7 +78,7 @@ class Fleet:
             self.router.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.router.kill()
-        self.router_log.close()
+        self.router_files.close()
         for server in (self.a, self.b, self.restarted):
             if server is not None and server.proc.poll() is None:
                 server.assert_idle()  # nothing the router started or abandoned is left running
@@ -105,7 +109,8 @@ def test_openai_client_through_the_router(fleet: Fleet) -> None:
     pieces: list[str] = []
     finish = None
     for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
-                                                max_tokens=48, stream=True, extra_body={"ignore_eos": True}):  # fmt: skip
+                                                max_tokens=48, stream=True,
+                                                extra_body={"ignore_eos": True}):  # fmt: skip
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic())
             pieces.append(chunk.choices[0].delta.content)
@@ -145,12 +150,13 @@ def test_cache_aware_routing_sticks_to_the_replica_holding_the_prefix(fleet: Fle
         for round_ in range(3):
             for i, system in enumerate(prefixes):
                 body = {"model": MODEL, "max_tokens": 2, "messages": [
-                    {"role": "system", "content": system}, {"role": "user", "content": f"Question {round_}?"}]}  # fmt: skip
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {round_}?"}]}  # fmt: skip
                 r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
                 assert r.status_code == 200, r.text
                 cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 seen[i].append((r.headers["x-fornax-replica"], r.headers["x-fornax-route-reason"], cached))
-        for i, visits in seen.items():
+        for _, visits in seen.items():
             assert len({replica for replica, _, _ in visits}) == 1, visits  # each prefix sticks
             assert [reason for _, reason, _ in visits] == ["cache_miss", "cache_hit", "cache_hit"], visits
             assert all(cached >= 64 for _, _, cached in visits[1:]), visits  # real KV-cache hits

@@ -24,7 +24,9 @@ async def serve(answer: Answer, heads: list[bytes], peers: set[object]) -> async
         try:
             while head := await reader.readuntil(b"\r\n\r\n"):
                 lines = head.lower().split(b"\r\n")
-                length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length:")
+                )
                 await reader.readexactly(length)
                 heads.append(head)
                 peers.add(writer.get_extra_info("peername"))
@@ -55,7 +57,9 @@ def test_only_the_clients_headers_and_no_cookies() -> None:
         session = open_session(RouterConfig())
         try:
             for _ in range(2):
-                resp = await post(session, url_of(server), "/v1/completions", b"{}", {"authorization": "Bearer k"})
+                resp = await post(
+                    session, url_of(server), "/v1/completions", b"{}", {"authorization": "Bearer k"}
+                )
                 assert resp.status == 200 and await resp.read() == b"{}"
                 resp.release()
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -44,8 +46,13 @@ class ServerProcess:
         # `bootstrap`: Python run in the server process before the CLI (fault-injection tests).
         entry = ["-m", "fornax.cli"] if bootstrap is None else ["-c", f"{bootstrap}\n{_RUN_CLI}"]
         cmd = [sys.executable, *entry, "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        # The log stays open until stop(): pop_all() hands it over once the server has started.
+        with contextlib.ExitStack() as files:
+            self._log = files.enter_context(open(log_path, "wb"))
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+            )
+            self._files = files.pop_all()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -115,7 +122,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self._files.close()
         return self.proc.returncode
 
 
@@ -124,7 +131,7 @@ FIXTURE_ADMIN_KEY = "sk-fixture-admin"
 
 def _admin_key(args: list[str]) -> str | None:
     """The key of the first `--admin-key [name:]key` among a server's arguments."""
-    for flag, value in zip(args, args[1:]):
+    for flag, value in itertools.pairwise(args):
         if flag == "--admin-key":
             return value.partition(":")[2] or value
     return None
@@ -157,7 +164,7 @@ def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         try:
             if server.proc.poll() is None:
                 server.assert_idle()
-        except Exception as exc:  # noqa: BLE001 - reported below; the server is stopped regardless
+        except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             server.stop()

@@ -79,7 +79,9 @@ def test_tools_on_completions_are_refused_by_name(server) -> None:
 
 def test_priority_is_bounded_and_negative_ones_are_privileged(server) -> None:
     assert_error(post(server, "/v1/completions", completion(priority=1001)), 400, param="priority")
-    assert_error(post(server, "/v1/completions", completion(priority=-1001), key="ops"), 400, param="priority")
+    assert_error(
+        post(server, "/v1/completions", completion(priority=-1001), key="ops"), 400, param="priority"
+    )
     assert_error(post(server, "/v1/completions", completion(priority=-1)), 403, param="priority")
     assert post(server, "/v1/completions", completion(priority=5)).status_code == 200
     for key in ("carol", "ops"):  # a privileged user key, and an admin key
@@ -108,7 +110,9 @@ def test_tokenizer_routes_are_bounded_by_the_context(server) -> None:
         assert_error(post(server, path, {"messages": messages}), 400, code="context_length_exceeded")
         assert post(server, path, {"prompt": "fine"}).status_code == 200
     ids = [100] * (MAX_MODEL_LEN + 1)
-    assert_error(post(server, "/detokenize", {"tokens": ids}), 400, param="tokens", code="context_length_exceeded")
+    assert_error(
+        post(server, "/detokenize", {"tokens": ids}), 400, param="tokens", code="context_length_exceeded"
+    )
     assert post(server, "/detokenize", {"tokens": ids[:10]}).status_code == 200
 
 
@@ -123,7 +127,8 @@ def test_a_4_mib_body_does_not_stall_the_event_loop(server, tmp_path) -> None:
     path = tmp_path / "body.json"
     path.write_bytes(body)
     sender = subprocess.Popen(["curl", "-s", "-o", str(tmp_path / "answer.json"), "-w", "%{http_code}",
-                               "-H", f"Authorization: {headers['Authorization']}", "-H", "Content-Type: application/json",
+                               "-H", f"Authorization: {headers['Authorization']}",
+                               "-H", "Content-Type: application/json",
                                "--data-binary", f"@{path}", server.url + "/v1/completions"],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     latencies: list[float] = []

@@ -38,7 +38,7 @@ def server(make_server, request):
 def test_32_concurrent_streams_equal_sequential(server):
     assert len(set(PROMPTS)) == 32
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-    params = dict(model=MODEL, max_tokens=12, temperature=0)
+    params = {"model": MODEL, "max_tokens": 12, "temperature": 0}
     sequential = {
         p: client.chat.completions.create(
             messages=[{"role": "user", "content": p}], logprobs=True, top_logprobs=2, **params

@@ -55,7 +55,12 @@ def assert_error(r: httpx.Response, status: int, type_: str | None = None, param
 
 def test_auth(server):
     assert httpx.get(server.url + "/health").status_code == 200  # public
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": "Basic x"},
+    ):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/admin/usage"),
                              ("GET", "/version"), ("POST", "/tokenize"), ("GET", "/nope")):  # fmt: skip
             r = httpx.request(method, server.url + path, headers=headers, json=chat_body())
@@ -70,7 +75,8 @@ def test_auth(server):
 
 def test_context_length_exceeded(http):
     long_text = "word " * 400
-    err = assert_error(http.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": long_text}])),
+    err = assert_error(http.post("/v1/chat/completions",
+                                 json=chat_body(messages=[{"role": "user", "content": long_text}])),
                        400, "invalid_request_error", code="context_length_exceeded")  # fmt: skip
     assert str(MAX_MODEL_LEN) in err["message"]
     err = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 300}),
@@ -176,24 +182,52 @@ def test_oversized_bodies_are_413(server, http):
 
 
 FUZZ_BODIES: list[bytes] = [
-    b"", b"{", b"[]", b"null", b"42", b'"x"', b"{\"messages\": [}", b"\xff\xfe\x00garbage",
-    b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', b'{"prompt": "\xed\xa0\x80"}',
-    b"[" * 50000 + b"]" * 50000, b'{"a":' * 20000 + b"1" + b"}" * 20000,
+    b"",
+    b"{",
+    b"[]",
+    b"null",
+    b"42",
+    b'"x"',
+    b'{"messages": [}',
+    b"\xff\xfe\x00garbage",
+    b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
+    b'{"prompt": "\xed\xa0\x80"}',
+    b"[" * 50000 + b"]" * 50000,
+    b'{"a":' * 20000 + b"1" + b"}" * 20000,
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": NaN}',
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}',
 ]
 FUZZ_JSON: list[dict] = [
-    chat_body(max_tokens=10**30), chat_body(max_tokens=2**63), chat_body(n=10**20), chat_body(n=-1),
-    chat_body(top_k=10**40), chat_body(seed=-(2**80)), chat_body(temperature=1e308), chat_body(priority=10**30),
-    chat_body(logit_bias={"1": 1e308}), chat_body(logit_bias=[1, 2]), chat_body(stop=12), chat_body(stop=[1]),
-    chat_body(messages=[{"role": "user", "content": None}]), chat_body(messages=[{}]), chat_body(messages=[None]),
-    chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]), chat_body(logprobs="yes"),
-    chat_body(top_logprobs=-1, logprobs=True), chat_body(min_p=2), chat_body(repetition_penalty=0),
-    chat_body(stream_options="x", stream=True), chat_body(model=123), chat_body(user=["x"]),
-    chat_body(max_completion_tokens=-1), chat_body(min_tokens=-1), chat_body(stop_token_ids=[-1]),
-    {"model": MODEL, "prompt": [[1, 2], "mixed"]}, {"model": MODEL, "prompt": [1.5]},
+    chat_body(max_tokens=10**30),
+    chat_body(max_tokens=2**63),
+    chat_body(n=10**20),
+    chat_body(n=-1),
+    chat_body(top_k=10**40),
+    chat_body(seed=-(2**80)),
+    chat_body(temperature=1e308),
+    chat_body(priority=10**30),
+    chat_body(logit_bias={"1": 1e308}),
+    chat_body(logit_bias=[1, 2]),
+    chat_body(stop=12),
+    chat_body(stop=[1]),
+    chat_body(messages=[{"role": "user", "content": None}]),
+    chat_body(messages=[{}]),
+    chat_body(messages=[None]),
+    chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+    chat_body(logprobs="yes"),
+    chat_body(top_logprobs=-1, logprobs=True),
+    chat_body(min_p=2),
+    chat_body(repetition_penalty=0),
+    chat_body(stream_options="x", stream=True),
+    chat_body(model=123),
+    chat_body(user=["x"]),
+    chat_body(max_completion_tokens=-1),
+    chat_body(min_tokens=-1),
+    chat_body(stop_token_ids=[-1]),
+    {"model": MODEL, "prompt": [[1, 2], "mixed"]},
+    {"model": MODEL, "prompt": [1.5]},
     {"model": MODEL, "prompt": "x", "echo": "no", "max_tokens": 2},
     {"model": MODEL, "prompt": "x", "logprobs": True, "max_tokens": 2},
     {"model": MODEL, "prompt": ["x"] * 1000},

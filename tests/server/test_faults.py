@@ -66,8 +66,14 @@ HOSTILE = {
     "top_p 1e-30": {"top_p": 1e-30, "temperature": 1.0, "seed": 2},
     "logit_bias +100": {"logit_bias": {str(t): 100 for t in range(300)}, "temperature": 0.8, "seed": 3},
     "logit_bias -100": {"logit_bias": {str(t): -100 for t in range(300)}},
-    "all penalties": {"repetition_penalty": 1e-50, "presence_penalty": 2, "frequency_penalty": -2,
-                      "min_p": 1e-45, "top_k": 1, "temperature": 1e-50},  # fmt: skip
+    "all penalties": {
+        "repetition_penalty": 1e-50,
+        "presence_penalty": 2,
+        "frequency_penalty": -2,
+        "min_p": 1e-45,
+        "top_k": 1,
+        "temperature": 1e-50,
+    },
 }
 
 

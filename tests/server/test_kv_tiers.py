@@ -11,7 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
-DOC = "Answer from this text. " + " ".join(f"line {i}: the river rose and the farmers moved uphill." for i in range(25))
+DOC = "Answer from this text. " + " ".join(
+    f"line {i}: the river rose and the farmers moved uphill." for i in range(25)
+)
 
 
 def _metric(server, name: str, **labels: str) -> float:

@@ -80,6 +80,7 @@ def test_public_metrics_needs_no_key_in_process():
 
 # ---- the real server -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(make_server):
     return make_server(["--api-key", KEY, "--no-access-log"], api_key=KEY)
@@ -132,14 +133,16 @@ def test_tokens_success_and_latency_histograms(server, client):
     assert delta(before, after, "fornax:request_generation_tokens_sum") == num_generated
     # One inter-token gap per token after each sequence's first.
     assert delta(before, after, "fornax:inter_token_latency_seconds_count") == sum(
-        u.completion_tokens - 1 for u in usages)
+        u.completion_tokens - 1 for u in usages
+    )
     assert delta(before, after, "fornax:e2e_request_latency_seconds_sum") > 0
     assert delta(before, after, "fornax:engine_step_num_seqs_count") >= 5
     # Every prompt token not served by the prefix cache is computed once, then each output
     # token but the last is fed back once.
     cached = [u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0 for u in usages]
     assert delta(before, after, "fornax:engine_step_batched_tokens_sum") == sum(
-        u.prompt_tokens - c + u.completion_tokens - 1 for u, c in zip(usages, cached))
+        u.prompt_tokens - c + u.completion_tokens - 1 for u, c in zip(usages, cached)
+    )
     # Idle again: the gauges are read at scrape time, so they are not stale.
     server.wait_idle()
     idle = scrape(server)
@@ -166,8 +169,9 @@ def test_prefix_cache_hits_match_cached_tokens(server, client):
 @pytest.mark.slow
 def test_aborted_stream_and_bad_request(server, client):
     before = scrape(server)
-    stream = chat(client, "Tell a story.", max_tokens=400, temperature=0, stream=True,
-                  extra_body={"ignore_eos": True})
+    stream = chat(
+        client, "Tell a story.", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break

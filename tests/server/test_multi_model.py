@@ -41,7 +41,12 @@ def test_two_models_answer_alternately_with_their_own_outputs(make_server, gemma
     # each model's own greedy answer, as the offline engine gives it alone (one request per step)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     for model in (SMOL, GEMMA):
-        ref = LLM(model, max_model_len=2048, progress=False).generate([PROMPTS[model]], params)[0].outputs[0].text
+        ref = (
+            LLM(model, max_model_len=2048, progress=False)
+            .generate([PROMPTS[model]], params)[0]
+            .outputs[0]
+            .text
+        )
         assert got[model] == [ref] * 4, model
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
     for model in (SMOL, GEMMA):
@@ -50,7 +55,13 @@ def test_two_models_answer_alternately_with_their_own_outputs(make_server, gemma
     assert metrics.count("# TYPE fornax:request_success_total counter") == 1  # one family, both models
     # both engines on the one engine thread: decode steps do not sleep at OpenMP barriers
     # (a second thread with its own OpenMP team would make them; tests/server/test_engine_thread.py)
-    body = {"model": GEMMA, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0.0}
+    body = {
+        "model": GEMMA,
+        "prompt": "Once upon a time",
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     before = voluntary_switches(server.proc.pid)
     httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()
     assert (voluntary_switches(server.proc.pid) - before) / 48 < 25
@@ -112,7 +123,9 @@ def test_lazy_loading_keeps_at_most_k_and_unloads_the_least_recently_used(make_s
     for t in pair:
         t.join(timeout=120)
     assert statuses == [200, 200]
-    assert _series(httpx.get(server.url + "/metrics", timeout=10).text, "fornax:model_loads_total", "tiny") == 3
+    assert (
+        _series(httpx.get(server.url + "/metrics", timeout=10).text, "fornax:model_loads_total", "tiny") == 3
+    )
 
 
 def test_served_names_one_per_model():

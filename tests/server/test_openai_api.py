@@ -3,9 +3,6 @@ logprobs, usage (incl. cached tokens) and echo."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import httpx
 import openai
 import pytest
@@ -49,8 +46,13 @@ def test_chat_completion_shape(client):
 
 
 def test_max_tokens_length_and_max_completion_tokens(client):
-    r = chat(client, "Count from one to one hundred.", max_completion_tokens=3, temperature=0,
-             extra_body={"ignore_eos": True})
+    r = chat(
+        client,
+        "Count from one to one hundred.",
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
@@ -149,9 +151,13 @@ def test_completions_logprobs_and_echo(client):
 
 
 def test_completions_prompt_forms(client, server):
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Once upon a time"}, headers=server.headers).json()
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": "Once upon a time"}, headers=server.headers
+    ).json()
     assert ids["count"] == len(ids["tokens"]) > 0
-    detok = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}, headers=server.headers).json()
+    detok = httpx.post(
+        server.url + "/detokenize", json={"tokens": ids["tokens"]}, headers=server.headers
+    ).json()
     assert detok["prompt"] == "Once upon a time"
     by_text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=6, temperature=0)
@@ -168,7 +174,8 @@ def test_completions_prompt_forms(client, server):
 def test_completions_stream_with_usage_and_echo(client):
     ref = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0,
-                                            stream=True, echo=True, stream_options={"include_usage": True}))  # fmt: skip
+                                            stream=True, echo=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == "Roses are red," + ref.choices[0].text
     assert chunks[-1].usage.total_tokens == ref.usage.total_tokens

@@ -84,7 +84,11 @@ def test_generated_requests_never_get_a_5xx(server, path: str, method: str) -> N
 
 def test_the_server_is_healthy_afterwards(server) -> None:
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+    }
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 200, r.text
     server.assert_idle()

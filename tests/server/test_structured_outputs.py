@@ -90,7 +90,9 @@ def test_twenty_schemas_three_prompts_each_validate(client):
     # A 135M model decoding greedily may loop inside an unbounded string ("comment": "2023-01-01,
     # 2023-01-01, ...") until max_tokens: truncated, not invalid. Which case loops depends on
     # batch composition (bf16), so a few may end on "length"; every finished one must validate.
-    truncated = [(name, choice.message.content) for name, _, choice in results if choice.finish_reason == "length"]
+    truncated = [
+        (name, choice.message.content) for name, _, choice in results if choice.finish_reason == "length"
+    ]
     assert len(truncated) <= 3, truncated
     for name, schema, choice in results:
         if choice.finish_reason == "length":
@@ -106,7 +108,9 @@ def test_json_object_regex_choice_and_guided_fields(client):
     pattern = r"[A-Z]{3}-[0-9]{4}"
     r = ask(client, "Invent a ticket code.", extra_body={"structured_outputs": {"regex": pattern}})
     assert re.fullmatch(pattern, r.choices[0].message.content)
-    r = ask(client, "Is the sky green?", extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    r = ask(
+        client, "Is the sky green?", extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}}
+    )
     assert r.choices[0].message.content in {"yes", "no", "maybe"}
     r = ask(client, "Pick a colour.", extra_body={"guided_choice": ["red", "green"]})
     assert r.choices[0].message.content in {"red", "green"}
@@ -179,7 +183,9 @@ def test_two_turn_tool_conversation(client):
                                            max_tokens=200, temperature=0).choices[0]  # fmt: skip
     (call,) = first.message.tool_calls
     messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})})
+    messages.append(
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})}
+    )
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60,
                                             temperature=0).choices[0]  # fmt: skip
     assert second.finish_reason in ("stop", "length")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -129,7 +128,9 @@ def test_event_stream_shows_a_user_only_their_own_requests(server):
     r = httpx.get(follow, params={"request_id": bob["id"]}, headers=bearer("alice"), timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     for name in ("bob", "ops"):
-        with httpx.stream("GET", follow, params={"request_id": bob["id"]}, headers=bearer(name), timeout=10) as r:
+        with httpx.stream(
+            "GET", follow, params={"request_id": bob["id"]}, headers=bearer(name), timeout=10
+        ) as r:
             assert r.status_code == 200
 
 
@@ -219,7 +220,11 @@ def test_tokens_per_minute_reserve_then_count_what_was_used(server):
     r = complete(server, "dave", {**body, "max_tokens": 185})  # 195 more would pass 200
     assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 60, r.text
     r = complete(server, "dave", {**body, "max_tokens": 250})  # can never fit: no Retry-After
-    assert r.status_code == 429 and "Retry-After" not in r.headers and "max_tokens" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 429
+        and "Retry-After" not in r.headers
+        and "max_tokens" in r.json()["error"]["message"]
+    )
     dave = usage(server)["dave"]
     assert dave["rejected_rate_limited"] == 2
     assert dave["rate_limit"] == {"requests_per_minute": None, "tokens_per_minute": 200, "window_requests": 2,

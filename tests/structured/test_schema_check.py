@@ -20,7 +20,7 @@ from fornax.engine.structured.schema_check import UnsupportedSchemaError, check_
 from tests.structured.engines import xgrammar_accepts
 
 J = json.dumps
-I: dict[str, Any] = {"type": "integer"}
+INTEGER: dict[str, Any] = {"type": "integer"}
 S: dict[str, Any] = {"type": "string"}
 
 
@@ -34,7 +34,7 @@ def texts(*values: Any) -> list[str]:
 
 # (id, schema, instances that satisfy it, instances that violate the keyword under test)
 ENFORCED: list[tuple[str, Any, list[str], list[str]]] = [
-    ("type-integer", I, texts(5, -3), texts("x", 1.5, True, None)),
+    ("type-integer", INTEGER, texts(5, -3), texts("x", 1.5, True, None)),
     ("type-number", {"type": "number"}, texts(1.5, 2), texts("1", None)),
     ("type-string", S, texts("a"), texts(1, None)),
     ("type-boolean", {"type": "boolean"}, texts(True, False), texts(0, "true")),
@@ -44,71 +44,168 @@ ENFORCED: list[tuple[str, Any, list[str], list[str]]] = [
     ("type-list", {"type": ["string", "null"]}, texts("a", None), texts(5, [])),
     ("true-schema", True, texts(1, "x", {"a": [1]}), []),
     ("empty-schema", {}, texts(1, "x", None), []),
-    ("properties", obj({"a": I}), texts({"a": 1}), texts({"a": "x"})),
-    ("required", obj({"a": I, "b": I}, required=["a"]),
-     texts({"a": 1}, {"a": 1, "b": 2}), texts({"b": 1}, {})),
-    ("additionalProperties-false", obj({"a": I}, additionalProperties=False),
-     texts({"a": 1}), texts({"a": 1, "z": 2})),
-    ("additionalProperties-schema", {"type": "object", "additionalProperties": I},
-     texts({"x": 1}), texts({"x": "s"})),
-    ("additionalProperties-true", obj({"a": I}, additionalProperties=True),
-     texts({"a": 1, "z": "s"}), texts({"a": "x"})),
-    ("items", {"type": "array", "items": I}, texts([], [1, 2]), texts([1, "x"])),
-    ("items-false", {"type": "array", "prefixItems": [I], "items": False}, texts([1]), texts([1, 2])),
-    ("prefixItems", {"type": "array", "prefixItems": [I, S]}, texts([1, "x"]), texts(["x", 1], [1, 2])),
-    ("prefixItems+items", {"type": "array", "prefixItems": [S], "items": I},
-     texts(["a", 1, 2]), texts(["a", "b"])),
-    ("minItems", {"type": "array", "items": I, "minItems": 2}, texts([1, 2], [1, 2, 3]), texts([1], [])),
-    ("maxItems", {"type": "array", "items": I, "maxItems": 2}, texts([], [1, 2]), texts([1, 2, 3])),
-    ("unevaluatedItems", {"type": "array", "prefixItems": [S], "unevaluatedItems": I},
-     texts(["a", 1]), texts(["a", "b"])),
-    ("unevaluatedItems-false", {"type": "array", "prefixItems": [I], "unevaluatedItems": False},
-     texts([1]), texts([1, 2])),
+    ("properties", obj({"a": INTEGER}), texts({"a": 1}), texts({"a": "x"})),
+    (
+        "required",
+        obj({"a": INTEGER, "b": INTEGER}, required=["a"]),
+        texts({"a": 1}, {"a": 1, "b": 2}),
+        texts({"b": 1}, {}),
+    ),
+    (
+        "additionalProperties-false",
+        obj({"a": INTEGER}, additionalProperties=False),
+        texts({"a": 1}),
+        texts({"a": 1, "z": 2}),
+    ),
+    (
+        "additionalProperties-schema",
+        {"type": "object", "additionalProperties": INTEGER},
+        texts({"x": 1}),
+        texts({"x": "s"}),
+    ),
+    (
+        "additionalProperties-true",
+        obj({"a": INTEGER}, additionalProperties=True),
+        texts({"a": 1, "z": "s"}),
+        texts({"a": "x"}),
+    ),
+    ("items", {"type": "array", "items": INTEGER}, texts([], [1, 2]), texts([1, "x"])),
+    ("items-false", {"type": "array", "prefixItems": [INTEGER], "items": False}, texts([1]), texts([1, 2])),
+    ("prefixItems", {"type": "array", "prefixItems": [INTEGER, S]}, texts([1, "x"]), texts(["x", 1], [1, 2])),
+    (
+        "prefixItems+items",
+        {"type": "array", "prefixItems": [S], "items": INTEGER},
+        texts(["a", 1, 2]),
+        texts(["a", "b"]),
+    ),
+    (
+        "minItems",
+        {"type": "array", "items": INTEGER, "minItems": 2},
+        texts([1, 2], [1, 2, 3]),
+        texts([1], []),
+    ),
+    ("maxItems", {"type": "array", "items": INTEGER, "maxItems": 2}, texts([], [1, 2]), texts([1, 2, 3])),
+    (
+        "unevaluatedItems",
+        {"type": "array", "prefixItems": [S], "unevaluatedItems": INTEGER},
+        texts(["a", 1]),
+        texts(["a", "b"]),
+    ),
+    (
+        "unevaluatedItems-false",
+        {"type": "array", "prefixItems": [INTEGER], "unevaluatedItems": False},
+        texts([1]),
+        texts([1, 2]),
+    ),
     ("enum", {"enum": ["red", "green", 3, None]}, texts("red", 3, None), texts("blue", 4, "3")),
     ("enum+type", {"type": "string", "enum": ["a", "b"]}, texts("a"), texts("c", 1)),
     ("const", {"const": "x"}, texts("x"), texts("y", 1)),
     ("const+type", {"type": "integer", "const": 3}, texts(3), texts(4)),
-    ("anyOf", {"anyOf": [I, {"type": "boolean"}]}, texts(1, True), texts("x", None)),
-    ("anyOf+annotations", {"anyOf": [I, {"type": "null"}], "title": "t", "default": None},
-     texts(1, None), texts("x")),
-    ("oneOf-types", {"oneOf": [S, {"type": "integer", "minimum": 0}, {"type": "null"}]}, texts("s", 1, None),
-     texts(1.5, True, -1)),
-    ("oneOf-const-discriminator", {"oneOf": [
-        obj({"kind": {"const": "a"}, "x": I}, required=["kind", "x"]),
-        obj({"kind": {"type": "string", "enum": ["b", "c"]}, "y": S}, required=["kind", "y"])]},
-     texts({"kind": "a", "x": 1}, {"kind": "c", "y": "s"}),
-     texts({"kind": "a", "y": "s"}, {"kind": "d", "x": 1})),
-    ("oneOf-$ref-discriminator", {
-        "$defs": {"cat": obj({"kind": {"type": "string", "const": "cat"}, "lives": I},
-                             required=["kind", "lives"]),
-                  "dog": obj({"kind": {"type": "string", "const": "dog"}, "good": {"type": "boolean"}},
-                             required=["kind", "good"])},
-        "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
-        "discriminator": {"propertyName": "kind"}},
-     texts({"kind": "cat", "lives": 9}, {"kind": "dog", "good": True}), texts({"kind": "cat", "good": True})),
-    ("allOf-single", {"allOf": [{"type": "integer", "minimum": 5}], "description": "d"},
-     texts(5, 6), texts(4)),
-    ("$ref-$defs", {"$defs": {"n": I}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
-     texts({"a": 1}), texts({"a": "x"})),
-    ("$ref-definitions",
-     {"definitions": {"n": I}, "type": "object", "properties": {"a": {"$ref": "#/definitions/n"}}},
-     texts({"a": 1}), texts({"a": "x"})),
-    ("$ref-escaped", {"$defs": {"a/b": I}, "type": "object", "properties": {"a": {"$ref": "#/$defs/a~1b"}}},
-     texts({"a": 1}), texts({"a": "x"})),
-    ("$ref-to-properties", obj({"a": I, "b": {"$ref": "#/properties/a"}}),
-     texts({"a": 1, "b": 2}), texts({"b": "x"})),
-    ("$ref-root+$defs", {"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s"},
-     texts("ab"),
-     texts("abc", 1)),
-    ("$ref-recursive",
-     {"$defs": {"node": obj({"v": I, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
-                                             required=["v", "next"])}, "$ref": "#/$defs/node"},
-     texts({"v": 1, "next": {"v": 2, "next": None}}), texts({"v": 1, "next": {"v": "x", "next": None}})),
-    ("pattern", {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-     texts("ABC-1234"), texts("abc-1234", "ABC-123")),
+    ("anyOf", {"anyOf": [INTEGER, {"type": "boolean"}]}, texts(1, True), texts("x", None)),
+    (
+        "anyOf+annotations",
+        {"anyOf": [INTEGER, {"type": "null"}], "title": "t", "default": None},
+        texts(1, None),
+        texts("x"),
+    ),
+    (
+        "oneOf-types",
+        {"oneOf": [S, {"type": "integer", "minimum": 0}, {"type": "null"}]},
+        texts("s", 1, None),
+        texts(1.5, True, -1),
+    ),
+    (
+        "oneOf-const-discriminator",
+        {
+            "oneOf": [
+                obj({"kind": {"const": "a"}, "x": INTEGER}, required=["kind", "x"]),
+                obj({"kind": {"type": "string", "enum": ["b", "c"]}, "y": S}, required=["kind", "y"]),
+            ]
+        },
+        texts({"kind": "a", "x": 1}, {"kind": "c", "y": "s"}),
+        texts({"kind": "a", "y": "s"}, {"kind": "d", "x": 1}),
+    ),
+    (
+        "oneOf-$ref-discriminator",
+        {
+            "$defs": {
+                "cat": obj(
+                    {"kind": {"type": "string", "const": "cat"}, "lives": INTEGER}, required=["kind", "lives"]
+                ),
+                "dog": obj(
+                    {"kind": {"type": "string", "const": "dog"}, "good": {"type": "boolean"}},
+                    required=["kind", "good"],
+                ),
+            },
+            "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+            "discriminator": {"propertyName": "kind"},
+        },
+        texts({"kind": "cat", "lives": 9}, {"kind": "dog", "good": True}),
+        texts({"kind": "cat", "good": True}),
+    ),
+    (
+        "allOf-single",
+        {"allOf": [{"type": "integer", "minimum": 5}], "description": "d"},
+        texts(5, 6),
+        texts(4),
+    ),
+    (
+        "$ref-$defs",
+        {"$defs": {"n": INTEGER}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+        texts({"a": 1}),
+        texts({"a": "x"}),
+    ),
+    (
+        "$ref-definitions",
+        {"definitions": {"n": INTEGER}, "type": "object", "properties": {"a": {"$ref": "#/definitions/n"}}},
+        texts({"a": 1}),
+        texts({"a": "x"}),
+    ),
+    (
+        "$ref-escaped",
+        {"$defs": {"a/b": INTEGER}, "type": "object", "properties": {"a": {"$ref": "#/$defs/a~1b"}}},
+        texts({"a": 1}),
+        texts({"a": "x"}),
+    ),
+    (
+        "$ref-to-properties",
+        obj({"a": INTEGER, "b": {"$ref": "#/properties/a"}}),
+        texts({"a": 1, "b": 2}),
+        texts({"b": "x"}),
+    ),
+    (
+        "$ref-root+$defs",
+        {"$defs": {"s": {"type": "string", "maxLength": 2}}, "$ref": "#/$defs/s"},
+        texts("ab"),
+        texts("abc", 1),
+    ),
+    (
+        "$ref-recursive",
+        {
+            "$defs": {
+                "node": obj(
+                    {"v": INTEGER, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                    required=["v", "next"],
+                )
+            },
+            "$ref": "#/$defs/node",
+        },
+        texts({"v": 1, "next": {"v": 2, "next": None}}),
+        texts({"v": 1, "next": {"v": "x", "next": None}}),
+    ),
+    (
+        "pattern",
+        {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+        texts("ABC-1234"),
+        texts("abc-1234", "ABC-123"),
+    ),
     ("pattern-alternatives", {"type": "string", "pattern": "^a$|^b$"}, texts("a", "b"), texts("ab", "c")),
-    ("pattern-classes", {"type": "string", "pattern": "^\\d+\\w\\s[^a]\\.[\\-+]$"}, texts("12a b.-"),
-     texts("12a a.-", "a")),
+    (
+        "pattern-classes",
+        {"type": "string", "pattern": "^\\d+\\w\\s[^a]\\.[\\-+]$"},
+        texts("12a b.-"),
+        texts("12a a.-", "a"),
+    ),
     ("minLength", {"type": "string", "minLength": 3}, texts("abc"), texts("ab", "")),
     ("maxLength", {"type": "string", "maxLength": 3}, texts("abc", ""), texts("abcd")),
     ("length-with-null", {"type": ["string", "null"], "minLength": 2}, texts("ab", None), texts("a")),
@@ -118,42 +215,99 @@ ENFORCED: list[tuple[str, Any, list[str], list[str]]] = [
     ("exclusiveMaximum-integer", {"type": "integer", "exclusiveMaximum": 5}, texts(4), texts(5)),
     ("minimum-number", {"type": "number", "minimum": 1.5}, texts(1.5, 2), texts(1.4, 1)),
     ("maximum-number", {"type": "number", "maximum": 1.5}, texts(1.5, 1), texts(1.6, 2)),
-    ("exclusiveMinimum-number", {"type": "number", "exclusiveMinimum": 0},
-     texts(0.5, 1), texts(0, 0.0, -0.1)),
+    (
+        "exclusiveMinimum-number",
+        {"type": "number", "exclusiveMinimum": 0},
+        texts(0.5, 1),
+        texts(0, 0.0, -0.1),
+    ),
     ("exclusiveMaximum-number", {"type": "number", "exclusiveMaximum": 1}, texts(0.5), texts(1, 1.0, 2)),
     ("range-with-null", {"type": ["integer", "null"], "minimum": 3}, texts(3, None), texts(2)),
-    ("multipleOf", {"type": "integer", "multipleOf": 5, "minimum": 3, "maximum": 30},
-     texts(5, 30), texts(4, 7)),
-    ("minProperties", {"type": "object", "additionalProperties": I, "minProperties": 2},
-     texts({"a": 1, "b": 2}),
-     texts({"a": 1})),
-    ("maxProperties", obj({"a": I, "b": I}, maxProperties=1), texts({"a": 1}), texts({"a": 1, "b": 2})),
-    ("patternProperties", {"type": "object", "patternProperties": {"^x_[a-z]+$": I}}, texts({"x_a": 1}),
-     texts({"x_a": "s"}, {"y": 1})),
-    ("propertyNames-pattern",
-     {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": I},
-     texts({"ab": 1}), texts({"AB": 1})),
-    ("propertyNames-length", {"type": "object", "propertyNames": {"type": "string", "maxLength": 2},
-                              "additionalProperties": I}, texts({"ab": 1}), texts({"abc": 1})),
-    ("propertyNames-enum",
-     {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "additionalProperties": I},
-     texts({"a": 1}), texts({"c": 1})),
-    ("unevaluatedProperties", obj({"a": I}, unevaluatedProperties=False),
-     texts({"a": 1}), texts({"a": 1, "z": 2})),
-    ("unevaluatedProperties-schema", obj({"a": I}, unevaluatedProperties=I), texts({"a": 1, "z": 2}),
-     texts({"a": 1, "z": "s"})),
-    ("annotations", {"$schema": "https://json-schema.org/draft/2020-12/schema",
-                     "$id": "https://example.com/s",
-                     "title": "T", "description": "d", "default": 1, "examples": [1], "$comment": "c",
-                     "deprecated": False, "readOnly": True, "writeOnly": False, "type": "integer"},
-     texts(1), texts("x")),
+    (
+        "multipleOf",
+        {"type": "integer", "multipleOf": 5, "minimum": 3, "maximum": 30},
+        texts(5, 30),
+        texts(4, 7),
+    ),
+    (
+        "minProperties",
+        {"type": "object", "additionalProperties": INTEGER, "minProperties": 2},
+        texts({"a": 1, "b": 2}),
+        texts({"a": 1}),
+    ),
+    (
+        "maxProperties",
+        obj({"a": INTEGER, "b": INTEGER}, maxProperties=1),
+        texts({"a": 1}),
+        texts({"a": 1, "b": 2}),
+    ),
+    (
+        "patternProperties",
+        {"type": "object", "patternProperties": {"^x_[a-z]+$": INTEGER}},
+        texts({"x_a": 1}),
+        texts({"x_a": "s"}, {"y": 1}),
+    ),
+    (
+        "propertyNames-pattern",
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": INTEGER},
+        texts({"ab": 1}),
+        texts({"AB": 1}),
+    ),
+    (
+        "propertyNames-length",
+        {
+            "type": "object",
+            "propertyNames": {"type": "string", "maxLength": 2},
+            "additionalProperties": INTEGER,
+        },
+        texts({"ab": 1}),
+        texts({"abc": 1}),
+    ),
+    (
+        "propertyNames-enum",
+        {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "additionalProperties": INTEGER},
+        texts({"a": 1}),
+        texts({"c": 1}),
+    ),
+    (
+        "unevaluatedProperties",
+        obj({"a": INTEGER}, unevaluatedProperties=False),
+        texts({"a": 1}),
+        texts({"a": 1, "z": 2}),
+    ),
+    (
+        "unevaluatedProperties-schema",
+        obj({"a": INTEGER}, unevaluatedProperties=INTEGER),
+        texts({"a": 1, "z": 2}),
+        texts({"a": 1, "z": "s"}),
+    ),
+    (
+        "annotations",
+        {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": "https://example.com/s",
+            "title": "T",
+            "description": "d",
+            "default": 1,
+            "examples": [1],
+            "$comment": "c",
+            "deprecated": False,
+            "readOnly": True,
+            "writeOnly": False,
+            "type": "integer",
+        },
+        texts(1),
+        texts("x"),
+    ),
 ]
 
 FORMATS: dict[str, tuple[list[str], list[str]]] = {
     "date": (["2024-02-29"], ["2024-1-1", "24-01-01", "2024-01-32", "2024-00-10", "nope"]),
     "time": (["23:59:59+01:00", "12:30:00Z"], ["24:00:00Z", "12:30", "12:60:00Z"]),
-    "date-time": (["2024-01-31T12:30:00.5+02:00"],
-                  ["2024-01-31 12:30:00Z", "2024-01-31T25:00:00Z", "2024-01-31"]),
+    "date-time": (
+        ["2024-01-31T12:30:00.5+02:00"],
+        ["2024-01-31 12:30:00Z", "2024-01-31T25:00:00Z", "2024-01-31"],
+    ),
     "duration": (["P1Y2M3DT4H5M6S", "PT1H"], ["P", "PT", "1Y"]),
     "email": (["john.doe@example.org"], ["john@", "@x.com", "a b@c.d"]),
     "hostname": (["a.example.com"], ["a..b", "a_b.com", "-a.com"]),
@@ -171,7 +325,7 @@ for _fmt, (_ok, _bad) in FORMATS.items():
 
 # (id, schema, the keyword check_schema must name)
 REFUSED: list[tuple[str, Any, str]] = [
-    ("uniqueItems", {"type": "array", "items": I, "uniqueItems": True}, "uniqueItems"),
+    ("uniqueItems", {"type": "array", "items": INTEGER, "uniqueItems": True}, "uniqueItems"),
     ("contains", {"type": "array", "contains": S}, "contains"),
     ("minContains", {"type": "array", "minContains": 2}, "minContains"),
     ("maxContains", {"type": "array", "maxContains": 1}, "maxContains"),
@@ -179,27 +333,41 @@ REFUSED: list[tuple[str, Any, str]] = [
     ("if", {"type": "integer", "if": {"type": "integer", "minimum": 10}}, "if"),
     ("then", {"type": "integer", "then": {"type": "integer"}}, "then"),
     ("else", {"type": "integer", "else": {"type": "integer"}}, "else"),
-    ("dependentRequired", obj({"a": I, "b": I}, dependentRequired={"a": ["b"]}), "dependentRequired"),
-    ("dependentSchemas", obj({"a": I, "b": I}, dependentSchemas={"a": {"required": ["b"]}}),
-     "dependentSchemas"),
-    ("dependencies", obj({"a": I, "b": I}, dependencies={"a": ["b"]}), "dependencies"),
+    (
+        "dependentRequired",
+        obj({"a": INTEGER, "b": INTEGER}, dependentRequired={"a": ["b"]}),
+        "dependentRequired",
+    ),
+    (
+        "dependentSchemas",
+        obj({"a": INTEGER, "b": INTEGER}, dependentSchemas={"a": {"required": ["b"]}}),
+        "dependentSchemas",
+    ),
+    ("dependencies", obj({"a": INTEGER, "b": INTEGER}, dependencies={"a": ["b"]}), "dependencies"),
     ("additionalItems", {"type": "array", "additionalItems": False}, "additionalItems"),
-    ("items-list", {"type": "array", "items": [I, S]}, "items"),
+    ("items-list", {"type": "array", "items": [INTEGER, S]}, "items"),
     ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, "contentEncoding"),
     ("contentMediaType", {"type": "string", "contentMediaType": "application/json"}, "contentMediaType"),
-    ("contentSchema", {"type": "string", "contentSchema": I}, "contentSchema"),
+    ("contentSchema", {"type": "string", "contentSchema": INTEGER}, "contentSchema"),
     ("$anchor", {"$defs": {"n": {"$anchor": "num", "type": "integer"}}, "type": "integer"}, "$anchor"),
     ("$dynamicRef", {"$dynamicRef": "#x"}, "$dynamicRef"),
     ("typo", {"type": "integer", "minimun": 5}, "minimun"),
     ("nullable", {"type": "string", "nullable": True}, "nullable"),
     ("x-extension", {"type": "string", "x-guidance": {"lenient": True}}, "x-guidance"),
-    ("allOf-two", {"allOf": [I, {"type": "integer", "minimum": 5}]}, "allOf"),
+    ("allOf-two", {"allOf": [INTEGER, {"type": "integer", "minimum": 5}]}, "allOf"),
     ("allOf+sibling", {"type": "integer", "allOf": [{"type": "integer", "minimum": 5}]}, "type"),
-    ("oneOf-overlap-types", {"oneOf": [I, {"type": "number"}]}, "oneOf"),
-    ("oneOf-overlap-objects", {"oneOf": [obj({"a": I}), obj({"b": I})]}, "oneOf"),
-    ("oneOf-discriminator-not-objects", {"oneOf": [
-        {"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
-        {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]}]}, "oneOf"),
+    ("oneOf-overlap-types", {"oneOf": [INTEGER, {"type": "number"}]}, "oneOf"),
+    ("oneOf-overlap-objects", {"oneOf": [obj({"a": INTEGER}), obj({"b": INTEGER})]}, "oneOf"),
+    (
+        "oneOf-discriminator-not-objects",
+        {
+            "oneOf": [
+                {"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]},
+            ]
+        },
+        "oneOf",
+    ),
     ("oneOf-untyped-branch", {"oneOf": [S, {}]}, "oneOf"),
     ("anyOf+type", {"type": "string", "anyOf": [{"type": "string", "minLength": 3}]}, "type"),
     ("anyOf+minLength", {"anyOf": [S], "minLength": 3}, "minLength"),
@@ -219,19 +387,22 @@ REFUSED: list[tuple[str, Any, str]] = [
     ("minimum-untyped", {"minimum": 5}, "minimum"),
     ("exclusiveMaximum-untyped", {"exclusiveMaximum": 5}, "exclusiveMaximum"),
     ("maxItems-untyped", {"maxItems": 1}, "maxItems"),
-    ("items-untyped", {"items": I}, "items"),
-    ("properties-untyped", {"properties": {"a": I}}, "properties"),
+    ("items-untyped", {"items": INTEGER}, "items"),
+    ("properties-untyped", {"properties": {"a": INTEGER}}, "properties"),
     ("minProperties-untyped", {"minProperties": 1}, "minProperties"),
-    ("patternProperties-untyped", {"patternProperties": {"^a$": I}}, "patternProperties"),
+    ("patternProperties-untyped", {"patternProperties": {"^a$": INTEGER}}, "patternProperties"),
     ("propertyNames-untyped", {"propertyNames": {"maxLength": 1}}, "propertyNames"),
     ("keyword-for-other-type", {"type": "string", "minimum": 1}, "minimum"),
     ("multipleOf-number", {"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ("multipleOf-fraction", {"type": "integer", "multipleOf": 1.5}, "multipleOf"),
     ("multipleOf-untyped", {"multipleOf": 3}, "multipleOf"),
-    ("required-undeclared", obj({"a": I}, required=["b"]), "required"),
-    ("required-undeclared-open", obj({"a": I}, required=["b"], additionalProperties=True), "required"),
-    ("propertyNames+properties",
-     {"type": "object", "properties": {"abc": I}, "propertyNames": {"maxLength": 2}}, "propertyNames"),
+    ("required-undeclared", obj({"a": INTEGER}, required=["b"]), "required"),
+    ("required-undeclared-open", obj({"a": INTEGER}, required=["b"], additionalProperties=True), "required"),
+    (
+        "propertyNames+properties",
+        {"type": "object", "properties": {"abc": INTEGER}, "propertyNames": {"maxLength": 2}},
+        "propertyNames",
+    ),
     ("propertyNames-anyOf", {"type": "object", "propertyNames": {"anyOf": [S]}}, "anyOf"),
     ("format-idn-email", {"type": "string", "format": "idn-email"}, "format"),
     ("format-idn-hostname", {"type": "string", "format": "idn-hostname"}, "format"),
@@ -251,12 +422,18 @@ REFUSED: list[tuple[str, Any, str]] = [
     ("pattern-backreference", {"type": "string", "pattern": "^(a)\\1$"}, "pattern"),
     ("pattern-word-boundary", {"type": "string", "pattern": "^a\\b"}, "pattern"),
     ("pattern-flags", {"type": "string", "pattern": "(?i)^abc$"}, "pattern"),
-    ("patternProperties-lookahead", {"type": "object", "patternProperties": {"^(?!x)": I}},
-     "patternProperties"),
+    (
+        "patternProperties-lookahead",
+        {"type": "object", "patternProperties": {"^(?!x)": INTEGER}},
+        "patternProperties",
+    ),
     ("nested-path", obj({"tags": {"type": "array", "items": {"type": "string", "format": "iri"}}}), "format"),
     ("$id-nested", obj({"a": {"$id": "https://example.com/a", "type": "integer"}}), "$id"),
-    ("exclusiveMinimum-boolean", {"type": "integer", "minimum": 5, "exclusiveMinimum": True},
-     "exclusiveMinimum"),
+    (
+        "exclusiveMinimum-boolean",
+        {"type": "integer", "minimum": 5, "exclusiveMinimum": True},
+        "exclusiveMinimum",
+    ),
     ("maxLength-string", {"type": "string", "maxLength": "3"}, "maxLength"),
     ("minItems-negative", {"type": "array", "minItems": -1}, "minItems"),
     ("type-unknown", {"type": "str"}, "type"),
@@ -268,27 +445,49 @@ REFUSED: list[tuple[str, Any, str]] = [
 # Refusals whose reason is that xgrammar compiles the keyword and lets a violating instance
 # through: (id, schema as written, an instance violating it).
 XGRAMMAR_IGNORES: list[tuple[str, Any, str]] = [
-    ("uniqueItems", {"type": "array", "items": I, "uniqueItems": True}, J([1, 1])),
+    ("uniqueItems", {"type": "array", "items": INTEGER, "uniqueItems": True}, J([1, 1])),
     ("contains", {"type": "array", "items": {"type": ["string", "integer"]}, "contains": S}, J([1, 2])),
     ("not", {"type": ["string", "integer"], "not": S}, J("x")),
-    ("if/then/else",
-     {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}, "else": {"maximum": 5}},
-     J(7)),
-    ("dependentRequired", obj({"a": I, "b": I}, dependentRequired={"a": ["b"]}), J({"a": 1})),
-    ("dependentSchemas", obj({"a": I, "b": I}, dependentSchemas={"a": {"required": ["b"]}}), J({"a": 1})),
-    ("dependencies", obj({"a": I, "b": I}, dependencies={"a": ["b"]}), J({"a": 1})),
+    (
+        "if/then/else",
+        {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}, "else": {"maximum": 5}},
+        J(7),
+    ),
+    ("dependentRequired", obj({"a": INTEGER, "b": INTEGER}, dependentRequired={"a": ["b"]}), J({"a": 1})),
+    (
+        "dependentSchemas",
+        obj({"a": INTEGER, "b": INTEGER}, dependentSchemas={"a": {"required": ["b"]}}),
+        J({"a": 1}),
+    ),
+    ("dependencies", obj({"a": INTEGER, "b": INTEGER}, dependencies={"a": ["b"]}), J({"a": 1})),
     ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, J("!!!")),
-    ("$anchor", {"$defs": {"n": {"$anchor": "num", "type": "integer"}}, "type": "object",
-                 "properties": {"a": {"$ref": "#num"}}}, J({"a": "x"})),
+    (
+        "$anchor",
+        {
+            "$defs": {"n": {"$anchor": "num", "type": "integer"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#num"}},
+        },
+        J({"a": "x"}),
+    ),
     ("$ref-remote", obj({"a": {"$ref": "https://example.com/x.json"}}), J({"a": "x"})),
     ("typo", {"type": "integer", "minimun": 5}, J(3)),
-    ("allOf-two", {"allOf": [obj({"a": I}, required=["a"]), obj({"b": I}, required=["b"])]}, J({"a": 1})),
+    (
+        "allOf-two",
+        {"allOf": [obj({"a": INTEGER}, required=["a"]), obj({"b": INTEGER}, required=["b"])]},
+        J({"a": 1}),
+    ),
     ("allOf+sibling", {"type": "integer", "allOf": [{"minimum": 5}]}, J(3)),
-    ("oneOf-overlap", {"oneOf": [I, {"type": "number", "minimum": 0}]}, J(2)),
-    ("anyOf+sibling", {"type": "string", "minLength": 3,
-                       "anyOf": [{"type": "string", "pattern": "^x.*$"},
-                                 {"type": "string", "pattern": "^y.*$"}]},
-     J("xa")),
+    ("oneOf-overlap", {"oneOf": [INTEGER, {"type": "number", "minimum": 0}]}, J(2)),
+    (
+        "anyOf+sibling",
+        {
+            "type": "string",
+            "minLength": 3,
+            "anyOf": [{"type": "string", "pattern": "^x.*$"}, {"type": "string", "pattern": "^y.*$"}],
+        },
+        J("xa"),
+    ),
     ("$ref+sibling", {"$defs": {"s": S}, "$ref": "#/$defs/s", "maxLength": 2}, J("abcd")),
     ("enum+type", {"type": "string", "enum": ["a", 1]}, J(1)),
     ("const+minLength", {"type": "string", "const": "ab", "minLength": 5}, J("ab")),
@@ -298,9 +497,12 @@ XGRAMMAR_IGNORES: list[tuple[str, Any, str]] = [
     ("maxItems-untyped", {"maxItems": 1}, J([1, 2])),
     ("multipleOf-number", {"type": "number", "multipleOf": 0.5}, J(1.25)),
     ("multipleOf-fraction", {"type": "integer", "multipleOf": 1.5}, J(4)),
-    ("required-undeclared", obj({"a": I}, required=["b"], additionalProperties=True), J({"a": 1})),
-    ("propertyNames+properties",
-     {"type": "object", "properties": {"abc": I}, "propertyNames": {"maxLength": 2}}, J({"abc": 1})),
+    ("required-undeclared", obj({"a": INTEGER}, required=["b"], additionalProperties=True), J({"a": 1})),
+    (
+        "propertyNames+properties",
+        {"type": "object", "properties": {"abc": INTEGER}, "propertyNames": {"maxLength": 2}},
+        J({"abc": 1}),
+    ),
     ("format-idn-email", {"type": "string", "format": "idn-email"}, J("not an email")),
     ("format-iri", {"type": "string", "format": "iri"}, J("not a uri")),
     ("format-regex", {"type": "string", "format": "regex"}, J("(")),
@@ -329,15 +531,17 @@ def test_refused_keyword_is_named(case, schema, keyword):
     assert keyword in str(info.value)
 
 
-@pytest.mark.parametrize(("case", "schema", "violating"), XGRAMMAR_IGNORES,
-                         ids=[c[0] for c in XGRAMMAR_IGNORES])
+@pytest.mark.parametrize(
+    ("case", "schema", "violating"), XGRAMMAR_IGNORES, ids=[c[0] for c in XGRAMMAR_IGNORES]
+)
 def test_xgrammar_still_ignores(case, schema, violating, vocab, xgr_compiler):
     with pytest.raises(UnsupportedSchemaError):
         check_schema(schema)
     compiled = xgr_compiler.compile_json_schema(J(schema))
     assert xgrammar_accepts(compiled, vocab, violating), (
         f"xgrammar now rejects {violating} for {case}: it may enforce this keyword now; "
-        "consider allowing it in schema_check")
+        "consider allowing it in schema_check"
+    )
 
 
 def test_error_path_names_the_location():
@@ -352,14 +556,14 @@ def test_error_path_names_the_location():
 
 
 def test_limits():
-    deep: Any = I
+    deep: Any = INTEGER
     for _ in range(40):
         deep = obj({"a": deep})
     check_schema(deep, max_depth=200)
     with pytest.raises(UnsupportedSchemaError) as info:
         check_schema(deep)  # 81 levels of JSON nesting > 64
     assert info.value.keyword == "(depth)"
-    wide = obj({f"p{n}": I for n in range(2000)})
+    wide = obj({f"p{n}": INTEGER for n in range(2000)})
     check_schema(wide)
     with pytest.raises(UnsupportedSchemaError) as info:
         check_schema(obj({f"p{n}": {"type": "string", "maxLength": 3} for n in range(5000)}))
@@ -372,7 +576,7 @@ def test_limits():
 
 
 def test_non_schemas_refused():
-    for schema in (5, "string", None, [I], {"type": "object", "properties": []}):
+    for schema in (5, "string", None, [INTEGER], {"type": "object", "properties": []}):
         with pytest.raises(UnsupportedSchemaError):
             check_schema(schema)
     check_schema(True)

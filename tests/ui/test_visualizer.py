@@ -31,8 +31,9 @@ MS = re.compile(r"^\d+(\.\d+)? ms$")
 
 sync_api = pytest.importorskip("playwright.sync_api")
 if not CHROMIUM.exists():
-    pytest.skip("needs Debian's chromium at /usr/bin/chromium (make setup installs it)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs Debian's chromium at /usr/bin/chromium (make setup installs it)", allow_module_level=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +332,9 @@ def test_visualizer_picks_the_model(make_server, browser, gemma3_gguf):
     assert _shown_text(page) == reference and reference
     # the prompt's tokens are Gemma's (its chat template's turn markers among them)
     chips = _attrs(page, "#token-chips .chip", "e.dataset.id")
-    gemma = httpx.post(server.url + "/tokenize", timeout=30, json={"model": "gemma3-270m", "messages": _messages()})
+    gemma = httpx.post(
+        server.url + "/tokenize", timeout=30, json={"model": "gemma3-270m", "messages": _messages()}
+    )
     assert [int(c) for c in chips] == gemma.json()["tokens"]
     page.wait_for_timeout(1200)  # a live snapshot of the model's own engine
     page.screenshot(path=str(SHOTS / "gemma3.png"), full_page=True)

@@ -19,7 +19,12 @@ from pydantic import BaseModel, model_validator
 from fornax.server import body_parser
 from fornax.server.errors import ApiError
 from fornax.server.protocol import (
-    ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, DetokenizeRequest, StreamOptions,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    DetokenizeRequest,
+    StreamOptions,
     TokenizeRequest,
 )  # fmt: skip
 
@@ -37,7 +42,9 @@ def parse(raw: bytes, model_cls: type[BaseModel], inline_max_bytes: int, timeout
     """The parsed model, or the ApiError's (status, envelope, headers)."""
 
     async def run() -> BaseModel:
-        return await body_parser.parse_bytes(raw, model_cls, inline_max_bytes=inline_max_bytes, timeout_s=timeout_s)
+        return await body_parser.parse_bytes(
+            raw, model_cls, inline_max_bytes=inline_max_bytes, timeout_s=timeout_s
+        )
 
     try:
         return asyncio.run(run())
@@ -73,9 +80,15 @@ VALID = {
     "coerced ids": (body(prompt=[True, 2.0, 3]), CompletionRequest),
     "many strings": (body(prompt=[f"s{i}" for i in range(30_000)]), CompletionRequest),
     "big logit_bias": (body(prompt="x", logit_bias={str(i): 0.5 for i in range(10_000)}), CompletionRequest),
-    "many messages": (body(messages=[{"role": "user", "content": f"m{i}"} for i in range(5_000)]), ChatCompletionRequest),
+    "many messages": (
+        body(messages=[{"role": "user", "content": f"m{i}"} for i in range(5_000)]),
+        ChatCompletionRequest,
+    ),
     "detokenize": (body(tokens=list(range(1000))), DetokenizeRequest),
-    "tokenize": (body(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False), TokenizeRequest),
+    "tokenize": (
+        body(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False),
+        TokenizeRequest,
+    ),
 }
 
 
@@ -103,7 +116,10 @@ INVALID = {
     "not JSON": (b'{"prompt": [1,', CompletionRequest),
     "too deep": (b"[" * 100_000 + b"]" * 100_000, CompletionRequest),
     "type error": (body(prompt=[1, "a"]), CompletionRequest),
-    "nested type error": (body(messages=[{"role": "user", "content": [{"text": "no type"}]}]), ChatCompletionRequest),
+    "nested type error": (
+        body(messages=[{"role": "user", "content": [{"text": "no type"}]}]),
+        ChatCompletionRequest,
+    ),
     "unimplemented field": (body(prompt="x", functions=[{"name": "f"}]), CompletionRequest),
     "missing field": (body(prompt="x"), DetokenizeRequest),
 }
@@ -118,7 +134,9 @@ def test_invalid_bodies_get_the_same_error_from_the_worker(name: str) -> None:
 
 def test_refused_numbers_are_named() -> None:
     _, envelope, _ = parse(INVALID["NaN"][0], CompletionRequest, WORKER)
-    assert envelope["error"]["message"] == "the request body is not valid JSON: NaN is not a valid JSON number"
+    assert (
+        envelope["error"]["message"] == "the request body is not valid JSON: NaN is not a valid JSON number"
+    )
 
 
 # ---- a worker that dies or hangs ----------------------------------------------------------------------
@@ -168,7 +186,9 @@ def test_a_worker_dying_mid_parse_costs_one_503_then_a_fresh_worker() -> None:
     assert gone(first)
     second = worker_pid()
     assert second != first
-    assert parse(VALID["chat"][0], ChatCompletionRequest, WORKER) == parse(VALID["chat"][0], ChatCompletionRequest, INLINE)
+    assert parse(VALID["chat"][0], ChatCompletionRequest, WORKER) == parse(
+        VALID["chat"][0], ChatCompletionRequest, INLINE
+    )
 
 
 def test_a_worker_killed_while_idle_is_replaced_without_an_error() -> None:
@@ -208,5 +228,9 @@ def test_big_fields_travel_packed() -> None:
     assert isinstance(fields("token ids")["prompt"], body_parser.IdList)
     assert isinstance(fields("nested token ids")["prompt"], body_parser.IdLists)
     assert isinstance(fields("ids past 64 bits")["prompt"], body_parser.Chunks)
-    for name, field in (("many strings", "prompt"), ("big logit_bias", "logit_bias"), ("many messages", "messages")):
+    for name, field in (
+        ("many strings", "prompt"),
+        ("big logit_bias", "logit_bias"),
+        ("many messages", "messages"),
+    ):
         assert len(fields(name)[field].pieces) > 1, name

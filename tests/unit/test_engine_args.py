@@ -91,7 +91,9 @@ def test_a_command_without_flags_runs_the_default_engine(name: str) -> None:
     expected = EngineConfig()
     if _command_of(name) == "serve":
         engine_args = EngineArgs.from_cli_args(args, model=serve_models(args)[0])
-        expected = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS))
+        expected = EngineConfig(
+            scheduler=SchedulerConfig(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+        )
     else:
         engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.create_engine_config() == expected
@@ -141,8 +143,9 @@ def test_flags_to_engine_args_to_engine_config(flags: list[str], expected: Engin
     serve = build_parser().parse_args(["serve", "--seed", "9", *flags])
     serve_args = EngineArgs.from_cli_args(serve, model=serve_models(serve)[0])
     if "--max-num-batched-tokens" not in flags:
-        expected = replace(expected, scheduler=replace(expected.scheduler,
-                                                       max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS))  # fmt: skip
+        expected = replace(expected,
+                           scheduler=replace(expected.scheduler,
+                                             max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS))  # fmt: skip
     assert serve_args.create_engine_config() == replace(expected, seed=9)
 
 
@@ -212,7 +215,9 @@ def test_engine_flags_are_declared_only_in_engine_args() -> None:
         where = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
-                names = {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+                names = {
+                    a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                }
                 found += [f"{where}:{node.lineno}: {s}" for s in sorted(names & spellings)
                           if (where, s) not in NOT_ENGINE_FLAGS]  # fmt: skip
     assert found == []

@@ -40,7 +40,9 @@ def test_tiny_temperature_is_greedy(logits: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 3e-5])
-def test_small_temperature_at_the_limit_still_samples_the_best(logits: torch.Tensor, temperature: float) -> None:
+def test_small_temperature_at_the_limit_still_samples_the_best(
+    logits: torch.Tensor, temperature: float
+) -> None:
     params = SamplingParams(temperature=temperature, seed=1)
     assert not params.greedy
     assert sample(params, logits, seed=1) == int(logits.argmax())
@@ -63,7 +65,7 @@ def test_top_p_rounding_to_zero_keeps_the_best_token(logits: torch.Tensor) -> No
 
 @pytest.mark.parametrize("bias", [100.0, -100.0])
 def test_bias_on_every_token_changes_nothing_for_greedy(logits: torch.Tensor, bias: float) -> None:
-    params = SamplingParams(temperature=0.0, logit_bias={t: bias for t in range(VOCAB)})
+    params = SamplingParams(temperature=0.0, logit_bias=dict.fromkeys(range(VOCAB), bias))
     assert sample(params, logits) == int(logits.argmax())
 
 

@@ -102,7 +102,10 @@ def test_key_limits_file_defaults_and_flags(tmp_path) -> None:
 def test_cache_salt_by_scope() -> None:
     keyed = Tenancy(ServerConfig(api_keys=USERS))
     assert keyed.cache_salt("alice", None) != keyed.cache_salt("bob", None)
-    assert keyed.cache_salt("alice", "x") not in (keyed.cache_salt("alice", None), keyed.cache_salt("bob", "x"))
+    assert keyed.cache_salt("alice", "x") not in (
+        keyed.cache_salt("alice", None),
+        keyed.cache_salt("bob", "x"),
+    )
     # A key name and a client salt cannot be combined to imitate another pair.
     assert keyed.cache_salt("a", "b:c") != keyed.cache_salt("a:b", "c")
     shared = Tenancy(ServerConfig(api_keys=USERS, prefix_cache_scope="global"))
@@ -119,7 +122,9 @@ def test_users_see_only_their_own_requests() -> None:
     assert tenancy.event_for(alice, token) is None
     assert tenancy.event_for(ops, token)["text"] == "bob's secret"
     sched = Event("scheduled", "a1", 0.0, {"batch": ["b1", "a-unknown"], "batch_size": 3})
-    assert tenancy.event_for(alice, sched)["batch"] == [] and tenancy.event_for(alice, sched)["batch_size"] == 3
+    assert (
+        tenancy.event_for(alice, sched)["batch"] == [] and tenancy.event_for(alice, sched)["batch_size"] == 3
+    )
     assert tenancy.event_for(ops, sched)["batch"] == ["b1", "a-unknown"]
     assert tenancy.event_for(alice, Event("token", "never-seen", 0.0)) is None  # unknown ids: fail closed
     snap = {"num_running": 2, "running": [{"request_id": "a1"}, {"request_id": "b1"}],

@@ -124,7 +124,7 @@ def test_hermes_holds_back_a_partial_tag():
 def test_hermes_partial_closing_tag_inside_a_call():
     parser = make_parser("hermes")
     parser.feed('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool')
-    text, deltas = parser.feed("_call>after")
+    text, _deltas = parser.feed("_call>after")
     assert text == "after"
     assert parser.called
 
@@ -132,7 +132,7 @@ def test_hermes_partial_closing_tag_inside_a_call():
 def test_hermes_invalid_body_is_content():
     text = 'Hmm <tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call> ok'
     parser = make_parser("hermes")
-    content, calls = parse_complete(parser, text)
+    _content, calls = parse_complete(parser, text)
     # the header was recognised, so the call was already streamed and stays a call...
     assert [c.name for c in calls] == ["f"]
 
@@ -174,7 +174,7 @@ def test_hermes_keys_out_of_order_and_parameters_key():
 
 def test_hermes_arguments_are_streamed_verbatim():
     args = '{"s": "a}b\\"c</tool", "n": [1, {"m": null}],\n "u": "\\u00e9"}'
-    content, calls = complete("hermes", f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>')
+    _content, calls = complete("hermes", f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>')
     assert calls == [("f", args)]
     assert json.loads(calls[0][1])["s"] == 'a}b"c</tool'
 
@@ -258,8 +258,10 @@ SAMPLES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1'),
     ("hermes", '<tool_call>{"name": "f\\n", "parameters": {"a": "é\\u00e9"}}</tool_call>'),
     ("hermes", "a < b <tool_call <tool_call>\n"),
-    ("llama3_json", ' <|python_tag|>{"name": "a", "parameters": {"x": "}{"}};'
-     '{"name": "b", "parameters": {}}'),
+    (
+        "llama3_json",
+        ' <|python_tag|>{"name": "a", "parameters": {"x": "}{"}};{"name": "b", "parameters": {}}',
+    ),
     ("llama3_json", '{"parameters": {"x": 1}, "name": "a"} ; {"name": "b", "parameters": {"y": 2}} tail'),
     ("llama3_json", "<|python_tag|> hello {}"),
     ("llama3_json", '{"name": "a", "parameters": {"x": 1}'),
@@ -335,11 +337,14 @@ HISTORY = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
         ],
-    },  # fmt: skip
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
     {"role": "tool", "tool_call_id": "call_2", "content": "14:00"},
 ]

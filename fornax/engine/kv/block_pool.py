@@ -63,7 +63,7 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 class KVBlock:
     """One block of `block_size` token slots. `prev_free`/`next_free` link the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -96,7 +96,11 @@ class ModelRunner:
         return out
 
     def _verify_drafts(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor, ends: np.ndarray, out: ModelRunnerOutput,
+        self,
+        items: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        ends: np.ndarray,
+        out: ModelRunnerOutput,
         grammar_mask: GrammarMask | None = None,
     ) -> None:
         """Requests with drafts: target logits at their last k + 1 positions, then accept/reject

@@ -62,7 +62,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, consume_logits: bool = False) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, consume_logits: bool = False
+    ) -> SamplerOutput:
         """`consume_logits`: the caller will not read `logits` again, so processing may
         overwrite them instead of copying (the runner's case)."""
         logits = logits.float()  # [num_reqs, vocab]; a no-op for float32 input

@@ -153,7 +153,9 @@ class GrammarBackend:
                     raise StructuredOutputsError(param, "the schema `false` matches nothing")
                 schema = {} if schema is True else schema
                 check_schema(schema)
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=True)
+                return compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=any_ws, strict_mode=True
+                )
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
             if kind == "regex":
@@ -165,14 +167,16 @@ class GrammarBackend:
             if kind == "choice":
                 assert params.choice is not None
                 # Each choice as an EBNF string literal; JSON's escapes are also EBNF's.
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
+                )
             assert params.grammar is not None
             return compiler.compile_grammar(params.grammar)
         except UnsupportedSchemaError as exc:
             raise StructuredOutputsError(param, str(exc)) from None
         except StructuredOutputsError:
             raise
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
+        except Exception as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise StructuredOutputsError(param, f"cannot compile the {kind}: {message}") from None
 
@@ -202,5 +206,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     """
     num_rows, vocab = rows.shape[0], logits.shape[-1]
     mask_bytes = bitmask.numpy().view(np.uint8)  # [r, vocab / 8]
-    bias = torch.from_numpy(np.take(_BYTE_BIAS, mask_bytes, axis=0)).view(num_rows, -1)[:, :vocab]  # [r, vocab]
+    bias = torch.from_numpy(np.take(_BYTE_BIAS, mask_bytes, axis=0)).view(num_rows, -1)[
+        :, :vocab
+    ]  # [r, vocab]
     logits.index_add_(0, rows, bias)

@@ -79,10 +79,11 @@ class MaskWorker:
         if pending is None:
             return StepMasks(None, None)
         start = time.perf_counter()
-        if isinstance(pending, _Deferred):
-            masks = self._fill(pending.sampling, pending.verifying)
-        else:
-            masks = pending.result()
+        masks = (
+            self._fill(pending.sampling, pending.verifying)
+            if isinstance(pending, _Deferred)
+            else pending.result()
+        )
         self.wait_seconds += time.perf_counter() - start
         self.num_steps += 1
         return masks

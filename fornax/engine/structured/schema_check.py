@@ -123,7 +123,7 @@ _REFUSED = {
     "$recursiveAnchor": "$recursiveAnchor is not supported",
     "$vocabulary": "$vocabulary is not supported",
     "id": "id (draft-04) is not supported",
-    "nullable": "nullable (OpenAPI) is not JSON Schema; use \"type\": [..., \"null\"]",
+    "nullable": 'nullable (OpenAPI) is not JSON Schema; use "type": [..., "null"]',
 }
 
 # Formats whose violations xgrammar 0.2.9 rejects; it ignores every other value (idn-email,
@@ -243,7 +243,7 @@ class _Walker:
         declared = schema["type"]
         names = declared if isinstance(declared, list) else [declared]
         if not names or not all(isinstance(n, str) and n in _TYPE_NAMES for n in names):
-            _fail("type", parts, f"\"type\" must be one of {sorted(_TYPE_NAMES)} or a non-empty list of them")
+            _fail("type", parts, f'"type" must be one of {sorted(_TYPE_NAMES)} or a non-empty list of them')
         return set(names)
 
     def _allowed_beside(self, keyword: str, parts: Path) -> frozenset[str]:
@@ -260,7 +260,7 @@ class _Walker:
                                    f"list only the allowed values in '{keyword}'")  # fmt: skip
         values = schema["enum"] if keyword == "enum" else [schema["const"]]
         if keyword == "enum" and (not isinstance(values, list) or not values):
-            _fail("enum", parts, "\"enum\" must be a non-empty list")
+            _fail("enum", parts, '"enum" must be a non-empty list')
         for value in values if types is not None else ():
             if not _value_has_type(value, types):
                 _fail(keyword, parts, f"{keyword} value {json.dumps(value)[:40]} is not of \"type\" "
@@ -281,7 +281,7 @@ class _Walker:
             return
         branches = schema[keyword]
         if not isinstance(branches, list) or not branches:
-            _fail(keyword, parts, f"\"{keyword}\" must be a non-empty list of schemas")
+            _fail(keyword, parts, f'"{keyword}" must be a non-empty list of schemas')
         if keyword == "allOf" and len(branches) > 1:
             _fail("allOf", parts, "allOf with more than one subschema is not enforced by the grammar engine")
         if keyword == "oneOf":
@@ -301,7 +301,7 @@ class _Walker:
     def _check_numbers(self, schema: dict[str, Any], types: set[str] | None, parts: Path) -> None:
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
             if key in schema and not _is_number(schema[key]):
-                _fail(key, parts, f"\"{key}\" must be a number")
+                _fail(key, parts, f'"{key}" must be a number')
         if "multipleOf" in schema:
             value = schema["multipleOf"]
             if types is None or "number" in types or not isinstance(value, int) or value <= 0:
@@ -313,10 +313,10 @@ class _Walker:
             if key in schema:
                 _need_count(schema[key], key, parts)
         if isinstance(schema.get("items"), list):
-            _fail("items", parts, "\"items\" as a list is not supported; use prefixItems")
+            _fail("items", parts, '"items" as a list is not supported; use prefixItems')
         prefix = schema.get("prefixItems", [None])
         if not isinstance(prefix, list) or not prefix:
-            _fail("prefixItems", parts, "\"prefixItems\" must be a non-empty list")
+            _fail("prefixItems", parts, '"prefixItems" must be a non-empty list')
 
     def _check_objects(self, schema: dict[str, Any], parts: Path) -> None:
         for key in ("minProperties", "maxProperties"):
@@ -324,13 +324,13 @@ class _Walker:
                 _need_count(schema[key], key, parts)
         for key in ("properties", "patternProperties"):
             if key in schema and not isinstance(schema[key], dict):
-                _fail(key, parts, f"\"{key}\" must be an object")
+                _fail(key, parts, f'"{key}" must be an object')
         for pattern in schema.get("patternProperties", {}):
             _check_pattern(pattern, "patternProperties", parts)
         if "required" in schema:
             required = schema["required"]
             if not isinstance(required, list) or not all(isinstance(n, str) for n in required):
-                _fail("required", parts, "\"required\" must be a list of strings")
+                _fail("required", parts, '"required" must be a list of strings')
             missing = [n for n in required if n not in schema.get("properties", {})]
             if missing:
                 name = json.dumps(missing[0])[:40]
@@ -445,7 +445,7 @@ def _subschemas(schema: dict[str, Any], parts: Path) -> Iterator[tuple[Any, Path
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if key in schema:
             if not isinstance(schema[key], dict):
-                _fail(key, (*parts, key), f"\"{key}\" must be an object")
+                _fail(key, (*parts, key), f'"{key}" must be an object')
             for name, sub in schema[key].items():
                 yield sub, (*parts, key, name), False
 
@@ -459,7 +459,7 @@ def _holder(parts: Path) -> str:
 
 def _need_count(value: Any, key: str, parts: Path) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        _fail(key, parts, f"\"{key}\" must be a non-negative integer")
+        _fail(key, parts, f'"{key}" must be a non-negative integer')
 
 
 def _is_number(value: Any) -> bool:
@@ -523,7 +523,7 @@ def _resolve(root: Any, parts: Path) -> Any:
 
 def _check_pattern(pattern: Any, keyword: str, parts: Path) -> None:
     if not isinstance(pattern, str):
-        _fail(keyword, parts, f"\"{keyword}\" must be a string regex")
+        _fail(keyword, parts, f'"{keyword}" must be a string regex')
     problem = regex_problem(pattern)
     if problem:
         _fail(keyword, parts, f"regex {pattern[:60]!r}: {problem}")

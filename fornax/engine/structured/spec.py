@@ -20,7 +20,12 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 * 1024  # all choices together
 # vLLM's older request fields, each one of the constraint kinds below.
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class StructuredOutputsError(ValueError):
@@ -73,11 +78,16 @@ class StructuredOutputsParams:
         return StructuredOutputsError(self.param_for(name), message)
 
     def validate(self) -> None:
-        kinds = [n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False)]
+        kinds = [
+            n
+            for n in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, n) not in (None, False)
+        ]
         if len(kinds) != 1:
             found = ", ".join(kinds) if kinds else "none"
             raise StructuredOutputsError(
-                self.origin, f"exactly one of json, regex, choice, grammar, json_object must be set (got {found})"
+                self.origin,
+                f"exactly one of json, regex, choice, grammar, json_object must be set (got {found})",
             )
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise self._error("json", "the JSON schema must be an object")
@@ -89,10 +99,16 @@ class StructuredOutputsParams:
             _check_text(self, "grammar", self.grammar, MAX_GRAMMAR_CHARS)
         if self.choice is not None:
             choices = self.choice
-            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            if (
+                not isinstance(choices, list)
+                or not choices
+                or not all(isinstance(c, str) and c for c in choices)
+            ):
                 raise self._error("choice", "choice must be a non-empty list of non-empty strings")
             if len(choices) > MAX_CHOICES or sum(len(c) for c in choices) > MAX_CHOICE_CHARS:
-                raise self._error("choice", f"at most {MAX_CHOICES} choices of {MAX_CHOICE_CHARS} characters in all")
+                raise self._error(
+                    "choice", f"at most {MAX_CHOICES} choices of {MAX_CHOICE_CHARS} characters in all"
+                )
 
     def cache_key(self) -> tuple[str, str, bool]:
         """Equal keys compile to the same grammar (schemas compare by content, not key order)."""

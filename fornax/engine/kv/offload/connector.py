@@ -53,7 +53,9 @@ class TransferPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.saves or self.disk_loads or self.loads or self.writes or self.unpin or self.release_swaps)
+        return not (
+            self.saves or self.disk_loads or self.loads or self.writes or self.unpin or self.release_swaps
+        )
 
 
 class KVConnector(ABC):
@@ -119,7 +121,8 @@ class KVConnector(ABC):
         """Counters and occupancy for metrics."""
 
     def check_integrity(self) -> None:
-        """Assert the connector's own invariants (tests)."""
+        """Assert the connector's own invariants (tests); by default there are none to check."""
+        return None
 
     def memory_tensors(self) -> list[Any]:
         """The tensors this connector holds in memory (the memory breakdown, engine/memory.py)."""

@@ -26,6 +26,7 @@ for the writer to be scheduled.)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -173,10 +174,8 @@ class DiskStore:
             path.unlink(missing_ok=True)
             return None
         self.bytes_read += len(payload)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # the LRU clock that survives a restart
-        except OSError:
-            pass
         return payload
 
     def _verify(self, data: bytes, block_hash: BlockHash) -> bytes | None:
@@ -249,7 +248,7 @@ class DiskStore:
                     self._results.append((block_hash, self._write(block_hash, payload)))
                 else:
                     self._path(block_hash).unlink(missing_ok=True)
-            except Exception:  # noqa: BLE001 - a failed write must still be reported, or its slot stays pinned
+            except Exception:
                 logger.exception("KV disk tier: %s failed", op)
                 if op == "write":
                     self._results.append((block_hash, False))
@@ -262,7 +261,9 @@ class DiskStore:
         Few system calls and little Python per block, on purpose: each time this thread comes
         back from a call it takes the GIL from the engine thread."""
         path = str(self._path(block_hash))
-        header = MAGIC + self.identity + block_hash + payload.nbytes.to_bytes(8, "little") + _checksum(payload)
+        header = (
+            MAGIC + self.identity + block_hash + payload.nbytes.to_bytes(8, "little") + _checksum(payload)
+        )
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -276,10 +277,8 @@ class DiskStore:
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             logger.warning("KV disk tier: writing %s failed: %s", path, exc)
             return False
         return True

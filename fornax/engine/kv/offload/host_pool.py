@@ -162,7 +162,9 @@ class _Prefaulter:
             hi = self._base + end * self._row
             assert self._madvise is not None
             if self._madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-                logger.debug("MADV_POPULATE_WRITE unavailable (errno %d): saves fault pages in", ctypes.get_errno())
+                logger.debug(
+                    "MADV_POPULATE_WRITE unavailable (errno %d): saves fault pages in", ctypes.get_errno()
+                )
                 return
             self._done = end
 
@@ -181,11 +183,15 @@ class HostPool:
         self._prefault.advance(-1)  # the first slots before the first save
 
     def save(self, layers: list[LayerKV], block_ids: list[int], slots: list[int]) -> None:
-        copy_to_rows(self.layout, layers, torch.tensor(block_ids), self.values, self.scales, torch.tensor(slots))
+        copy_to_rows(
+            self.layout, layers, torch.tensor(block_ids), self.values, self.scales, torch.tensor(slots)
+        )
         self._prefault.advance(max(slots))
 
     def load(self, layers: list[LayerKV], slots: list[int], block_ids: list[int]) -> None:
-        copy_from_rows(self.layout, layers, torch.tensor(slots), self.values, self.scales, torch.tensor(block_ids))
+        copy_from_rows(
+            self.layout, layers, torch.tensor(slots), self.values, self.scales, torch.tensor(block_ids)
+        )
 
     def view(self, slot: int) -> memoryview:
         """A slot's bytes in place (no copy): valid while the slot is not reused."""
@@ -195,4 +201,6 @@ class HostPool:
         """Verified disk payloads -> primary blocks, through a staging tensor with tier 1's views."""
         staging = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), -1)
         values, scales = self.layout.views(staging)
-        copy_from_rows(self.layout, layers, torch.arange(len(payloads)), values, scales, torch.tensor(block_ids))
+        copy_from_rows(
+            self.layout, layers, torch.arange(len(payloads)), values, scales, torch.tensor(block_ids)
+        )

@@ -90,7 +90,9 @@ class TieredConnector(KVConnector):
         self._swap_ins: list[str] = []  # requests whose swap slots free once the plan ran
         self._writing: dict[BlockHash, int] = {}  # disk writes in flight -> the host slot they read
         self._times: deque[tuple[str, float]] = deque(maxlen=4096)
-        self._stats = OffloadStats(host_blocks_total=host_blocks, disk_bytes_total=disk.capacity if disk else 0)
+        self._stats = OffloadStats(
+            host_blocks_total=host_blocks, disk_bytes_total=disk.capacity if disk else 0
+        )
 
     # -- scheduler side --
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -153,7 +155,7 @@ class TieredConnector(KVConnector):
             loaded += 1
         if loaded:
             self._plan.sources[rid] = (match.start_block, [tier for tier, _, _ in match.sources[:loaded]])
-        if any(tier == "disk" for tier, _, _ in match.sources[:loaded + 1]):
+        if any(tier == "disk" for tier, _, _ in match.sources[: loaded + 1]):
             self._times.append(("disk_read", time.perf_counter() - t0))
         return loaded * self.block_size
 
