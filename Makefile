@@ -43,7 +43,11 @@ run: pull
 	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"What is LLM inference?\"}]}'"
 	$(BIN)/fornax serve $(MODEL) --host $(HOST) --port $(PORT) --quantization auto --large-step-quantization w8a8
 
+# Lint and format are checked first (ruff, pinned in the test extras): a tree that fails them
+# fails the suite.
 test: pull
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
 
 clean:
