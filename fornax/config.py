@@ -413,6 +413,12 @@ class EngineConfig:
     # GIL, and leaving it a core takes half the engine's threads on a 2-core machine
     # (docs/performance.md).
     num_threads: int | None = None
+    # Batch-invariant numerics (docs/deterministic.md): a request's logits are a function of its
+    # own tokens, whatever shares its steps, whatever the prefix cache holds, however its
+    # prompt is chunked, with or without speculative decoding, at any thread count. Each Linear
+    # keeps one weight form for every step size and every row attends through the paged-
+    # attention kernel in parts of fixed size. Needs the native kernels and bfloat16.
+    deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
@@ -453,6 +459,23 @@ class EngineConfig:
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.deterministic:
+            self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        """What deterministic mode cannot promise, refused at construction rather than broken
+        quietly: its batch-invariant kernels are the native bf16 ones, and an LM head form for
+        one- and two-row steps is a second form by construction."""
+        if self.dtype != "bfloat16" or self.kernel_backend != "native":
+            raise ConfigError(
+                "deterministic mode runs on the native bf16 kernels: it needs dtype 'bfloat16' and "
+                f"kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
+            )
+        if self.lm_head_quantization is not None:
+            raise ConfigError(
+                "deterministic mode keeps one weight form per layer for every step size; "
+                "lm_head_quantization adds a second one for small steps"
+            )
 
     @property
     def small_step_method(self) -> str | None:

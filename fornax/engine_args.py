@@ -129,6 +129,13 @@ class EngineArgs:
         "engine compute threads (default: every CPU this process may use)",
         type=int,
     )
+    deterministic: bool = _arg(
+        _declared(EngineConfig, "deterministic"),
+        "batch-invariant numerics: a request's tokens and logprobs depend only on its own tokens "
+        "(not on what shares its steps, the prefix cache, chunking or speculation); costs speed",
+        group=ENGINE,
+        action="store_true",
+    )
     # "auto" (or None): sized for the model and the machine (config.default_kv_cache_memory).
     kv_cache_memory: int | float | str | None = _arg(
         _declared(CacheConfig, "kv_cache_memory"),
@@ -296,6 +303,7 @@ class EngineArgs:
             lm_head_quantization=self.lm_head_quantization,
             kernel_backend=self.kernel_backend,
             num_threads=self.num_threads,
+            deterministic=self.deterministic,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=parse_kv_cache_memory(self.kv_cache_memory),

@@ -78,6 +78,7 @@ class EngineCore:
             dtype,
             config.kernel_backend,
             cache.kv_cache_dtype,
+            deterministic=config.deterministic,
         )
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
@@ -480,6 +481,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
         large_step=large_step,
         kernel_backend=config.kernel_backend,
         lm_head_int4=config.lm_head_quantization == "int4",
+        deterministic=config.deterministic,
         # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )

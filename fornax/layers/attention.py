@@ -37,6 +37,11 @@ KERNEL_MAX_QUERIES = 16
 # step of 512 tokens of ~190-token chat prompts after a prefix-cache hit, 1.27x
 # (--large-step-quantization w8a8, 2026-12-03, ad hoc A/B in one process).
 KERNEL_MAX_CONTEXT = 768
+# Deterministic mode (docs/deterministic.md): every row goes to the kernel, whatever its length,
+# so that a cached prefix and a fresh prompt take one path, and the kernel cuts each row's keys
+# into parts of this many, so that a row's sums do not depend on the step's other rows or on the
+# thread count. 128 keys: a lone long decode still has parts for both cores.
+DETERMINISTIC_PART_KEYS = 128
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class KernelRows:
     row_pos: torch.Tensor  # [R] int32: the query's position; it attends to keys 0..pos
     block_size: int
     window: int | None
+    part_keys: int = 0  # > 0: keys split in fixed parts (deterministic mode); 0: as suits the call
 
 
 @dataclass
@@ -90,13 +96,20 @@ def build_attention_metadata(
     sliding_window: int | None = None,
     kernel: PagedAttentionKernel | None = None,
     interleaved: bool = False,
+    deterministic: bool = False,
 ) -> AttentionMetadata:
     """Bulk-build slot mapping, the kernel's rows and per-group gather indices and masks for one step.
     interleaved: the window applies only to some layers (ModelConfig.interleaves_sliding_window):
-    the result attends over the whole context, and its `sliding` within the window."""
+    the result attends over the whole context, and its `sliding` within the window.
+    deterministic: every row through the kernel, in fixed parts (DETERMINISTIC_PART_KEYS); it
+    needs the kernel."""
+    if deterministic and kernel is None:
+        raise ValueError("deterministic attention needs the native paged-attention kernel")
     if interleaved and sliding_window is not None:
-        full = build_attention_metadata(spans, block_size, None, kernel)
-        full.sliding = build_attention_metadata(spans, block_size, sliding_window, kernel)
+        full = build_attention_metadata(spans, block_size, None, kernel, deterministic=deterministic)
+        full.sliding = build_attention_metadata(
+            spans, block_size, sliding_window, kernel, deterministic=deterministic
+        )
         return full
     offsets = np.cumsum([0] + [s.num_new for s in spans])
     slot_parts = []
@@ -108,11 +121,15 @@ def build_attention_metadata(
     kernel_rows = None
     if kernel is not None:
         on_kernel = [
-            s.num_new <= KERNEL_MAX_QUERIES or s.start + s.num_new <= KERNEL_MAX_CONTEXT for s in spans
+            deterministic or s.num_new <= KERNEL_MAX_QUERIES or s.start + s.num_new <= KERNEL_MAX_CONTEXT
+            for s in spans
         ]
         short = [i for i, ok in enumerate(on_kernel) if ok]
         if short:
-            kernel_rows = _build_kernel_rows(kernel, spans, short, offsets, block_size, sliding_window)
+            part_keys = DETERMINISTIC_PART_KEYS if deterministic else 0
+            kernel_rows = _build_kernel_rows(
+                kernel, spans, short, offsets, block_size, sliding_window, part_keys
+            )
         decode, prefill = [], [i for i, ok in enumerate(on_kernel) if not ok]
     else:
         decode = [i for i, s in enumerate(spans) if s.num_new == 1]
@@ -130,6 +147,7 @@ def _build_kernel_rows(
     offsets: np.ndarray,
     block_size: int,
     window: int | None,
+    part_keys: int,
 ) -> KernelRows:
     width = max(len(spans[i].block_ids) for i in idx)
     tables = np.zeros((len(idx), width), dtype=np.int32)
@@ -148,6 +166,7 @@ def _build_kernel_rows(
         row_pos=torch.from_numpy(row_pos.astype(np.int32)),
         block_size=block_size,
         window=window,
+        part_keys=part_keys,
     )
 
 
@@ -220,7 +239,9 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     kr = meta.kernel_rows
     if kr is not None and kr.token_index is None:  # every row is short: one kernel call
-        return kr.kernel(q, cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window)
+        return kr.kernel(
+            q, cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window, kr.part_keys
+        )
     if len(meta.groups) == 1 and meta.groups[0].kv_slots is None and kr is None:
         # Single fresh prompt: no padding anywhere, attend over the new tokens directly. The
         # batch dimension matters: given 3-D [H, T, D] inputs, SDPA on CPU takes its math path
@@ -238,7 +259,15 @@ def paged_attention(
     out = torch.empty_like(q)
     if kr is not None:
         out[kr.token_index] = kr.kernel(
-            q[kr.token_index], cache, kr.block_tables, kr.row_seq, kr.row_pos, kr.block_size, scale, kr.window
+            q[kr.token_index],
+            cache,
+            kr.block_tables,
+            kr.row_seq,
+            kr.row_pos,
+            kr.block_size,
+            scale,
+            kr.window,
+            kr.part_keys,
         )
     for g in meta.groups:
         b, q_len = g.query_index.shape

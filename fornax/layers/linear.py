@@ -294,6 +294,9 @@ def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
     return load_bf16_matmul() if backend == "native" and ok else None
 
 
+# use_one_form's row limit: more rows than any step carries.
+ONE_FORM_ROWS = 1 << 30
+
 SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
 NATIVE_SMALL_STEP_METHODS: dict[str, type] = {"int8": BlockInt8, "int4": BlockInt4}
 
@@ -372,11 +375,34 @@ class Linear(nn.Module):
                 self.small, self.small_max_rows = None, 0
             self._clip_mid()
 
+    def use_one_form(self, backend: str = "native") -> None:
+        """Serve every row count with one form, for deterministic mode (docs/deterministic.md):
+        which form computes a row must not depend on how many rows share its step. The form is
+        the one that holds the weights as configured, and is batch-invariant here (each output
+        summed in an order fixed by the shapes of W and x's row alone): the int8 x int8 form
+        where w8a8 was asked for (it covers prefill), else the quantized small form, else the
+        dense weight through the native bf16 kernel. ValueError where none of them runs."""
+        if self.large is not None:
+            self.small, self.small_max_rows, self.large_min_rows = None, 0, 1
+        elif isinstance(self.small, (BlockInt4, BlockInt8, DenseBf16)):
+            self.small_max_rows = ONE_FORM_ROWS
+        else:
+            kernel = dense_matmul_for(self._dense(), backend) if self.small is None else None
+            if kernel is None:  # torch's int4/int8 kernels, or no native bf16 kernel
+                raise ValueError(
+                    f"Linear({self.in_features}, {self.out_features}): no batch-invariant form runs here "
+                    "(it needs a native kernel: AVX-512 BF16 for dense bf16 weights, VNNI for quantized ones)"
+                )
+            self.set_small(DenseBf16(self._dense(), kernel), ONE_FORM_ROWS)
+        self.mid, self.mid_max_rows = None, 0
+
     def needs_dense_weight(self) -> bool:
         """Whether some step still reads the dense weight: a row count that falls through every
         form to torch's linear, or a DenseBf16 form (which computes from it)."""
         if any(isinstance(f, DenseBf16) for f in (self.small, self.mid)):
             return True
+        if self.small is not None and self.small_max_rows >= ONE_FORM_ROWS:
+            return False  # the small form serves every row count (use_one_form)
         if self.large is None:
             return True
         small = self.small_max_rows if self.small is not None else 0

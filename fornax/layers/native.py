@@ -249,7 +249,7 @@ class PagedAttentionKernel:
         p, i, lg, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [p, lg, p, p, p, p, p, p, i, p, p, i, i, i, i, i, f, i, i]
+            fn.argtypes = [p, lg, p, p, p, p, p, p, i, p, p, i, i, i, i, i, f, i, i, i]
         self._store_i8 = {torch.float32: lib.kv_store_i8_f32, torch.bfloat16: lib.kv_store_i8_bf16}
         for fn in self._store_i8.values():
             fn.restype, fn.argtypes = None, [p, lg, i, p, i, i, p, p]
@@ -267,7 +267,10 @@ class PagedAttentionKernel:
         block_size: int,
         scale: float,
         window: int | None,
+        part_keys: int = 0,
     ) -> torch.Tensor:
+        """part_keys > 0: every row attends in parts of that many keys, whatever the call's
+        rows and threads (deterministic mode); 0: split as suits the call."""
         rows, heads, dim = q.shape
         pools = cache.tensors()
         if q.stride(2) != 1 or q.stride(1) != dim or not all(t.is_contiguous() for t in pools):
@@ -284,7 +287,7 @@ class PagedAttentionKernel:
             q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), data_ptr_or_none(cache.k_scale),
             data_ptr_or_none(cache.v_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             row_seq.data_ptr(), row_pos.data_ptr(), rows, heads, cache.k.shape[1], dim, block_size, scale,
-            window or 0, torch.get_num_threads(),
+            window or 0, torch.get_num_threads(), part_keys,
         )  # fmt: skip
         if status:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
@@ -576,7 +579,7 @@ class DecoderModelDesc(ctypes.Structure):
         ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
         ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
         ("block_size", ctypes.c_int), ("window", ctypes.c_int), ("kv_int8", ctypes.c_int),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("part_keys", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
     ]  # fmt: skip
 
 

@@ -69,6 +69,7 @@ def load_model(
     large_step: tuple[str | None, int] | None = None,
     keep_dense_weights: bool = False,
     lm_head_int4: bool = False,
+    deterministic: bool = False,
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
     small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
@@ -77,6 +78,8 @@ def load_model(
     or float tensors under "auto") the native bf16 kernel in bf16 models (layers/linear.py).
     None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
     steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
+    deterministic: each Linear then keeps one of those forms for every step (Linear.use_one_form);
+    ModelLoadError where no batch-invariant form runs on this CPU.
 
     Each weight is then held only in the forms some step reads (docs/memory.md): a Linear's
     dense weight goes when its forms cover every row count (keep_dense_weights keeps it, for
@@ -119,6 +122,12 @@ def load_model(
                 linear.set_dense_small_step(max(small_step[1], DENSE_BF16_MAX_ROWS), kernel_backend)
     if lm_head_int4:
         lm_head_int4_form(model.lm_head, kernel_backend)
+    if deterministic:
+        try:
+            for linear in linears:
+                linear.use_one_form(kernel_backend)
+        except ValueError as exc:
+            raise ModelLoadError(f"deterministic mode: {exc}") from exc
     if not keep_dense_weights:
         for linear in linears:
             linear.release_dense_weight()

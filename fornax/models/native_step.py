@@ -91,7 +91,7 @@ class NativeStep:
             desc = DecoderModelDesc(
                 array, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
-                int(kv_cache.kv_cache_dtype == "int8"), c.rms_norm_eps, first.scale,
+                int(kv_cache.kv_cache_dtype == "int8"), 0, c.rms_norm_eps, first.scale,
             )  # fmt: skip
             self.tiers.append((max_rows, desc))
         self.max_rows = max(rows for rows, _ in self.tiers)
@@ -155,6 +155,7 @@ class NativeStep:
         kr = meta.kernel_rows
         assert kr is not None
         desc = next(d for rows, d in self.tiers if input_ids.shape[0] <= rows)
+        desc.part_keys = kr.part_keys  # the attention split the op-by-op path would take
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
         kv = self._kv_cache

@@ -34,11 +34,17 @@ class ModelRunner:
         dtype: torch.dtype,
         kernel_backend: str = "native",
         kv_cache_dtype: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
+        self.deterministic = deterministic
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, kv_cache_dtype)
         kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
+        if deterministic and self.attention_kernel is None:
+            raise RuntimeError(
+                "deterministic mode needs the native paged-attention kernel, which did not load"
+            )
         model.use_ops(layer_ops(kernel_backend, dtype))
         # Small steps in one native call where the model's forms allow (models/native_step.py).
         self.native_step = NativeStep.build(model, self.kv_cache) if kernel_backend == "native" else None
@@ -64,7 +70,12 @@ class ModelRunner:
         spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
         c = self.config
         meta = build_attention_metadata(
-            spans, self.block_size, c.sliding_window, self.attention_kernel, c.interleaves_sliding_window
+            spans,
+            self.block_size,
+            c.sliding_window,
+            self.attention_kernel,
+            c.interleaves_sliding_window,
+            deterministic=self.deterministic,
         )
         pending_masks = self.masks.start(items)  # filled while the forward runs
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
@@ -84,7 +95,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
         requests = [r for _, r in sampling]
         self._ensure_generators(requests)
-        sampling_meta = SamplingMetadata.build(requests, self.generators)
+        sampling_meta = SamplingMetadata.build(requests, self.generators, positional=self.deterministic)
         sampling_meta.grammar_mask = masks.sample
         sampler_out = self.sampler(logits, sampling_meta, consume_logits=True)
         token_ids = sampler_out.sampled_token_ids.tolist()
@@ -113,7 +124,7 @@ class ModelRunner:
         requests = [s.request for _, s in verifying]
         self._ensure_generators(requests)
         drafts = [s.spec_token_ids for _, s in verifying]
-        result = verify_drafts(logits, requests, drafts, self.generators, grammar_mask)
+        result = verify_drafts(logits, requests, drafts, self.generators, grammar_mask, self.deterministic)
         for request, tokens, logprobs in zip(requests, result.tokens, result.logprobs):
             out.spec_sampled[request.request_id] = tokens
             if logprobs is not None:

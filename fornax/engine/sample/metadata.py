@@ -32,6 +32,20 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
     return generator
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, index: int) -> int:
+    """The seed of a request's draw for its output token `index` (deterministic mode): a
+    splitmix64-style mix of both, so that the draw depends on which token it is and not on how
+    many numbers the request drew before it (a verify step draws for several positions, a
+    plain step for one)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class PenaltyMetadata:
     """Penalties for the subset of rows that use any (`rows`); other rows are untouched."""
@@ -96,12 +110,16 @@ class SamplingMetadata:
         requests: list[Request],
         generators: dict[str, torch.Generator],
         device: str | torch.device = "cpu",
+        positional: bool = False,
     ) -> SamplingMetadata:
         """Per-row tensors for one step, in `requests` order (== the logits' row order).
 
         `generators` is the runner's per-request store (request_id -> Generator), kept across
         steps so a seeded request's stream continues where it left off; a seeded request
-        missing from it gets one here, created from its seed.
+        missing from it gets one here, created from its seed. positional (deterministic mode):
+        each seeded row draws instead from a generator of its own, seeded by position_seed for
+        the output token it samples, so the draw for a token is the same whether a plain step
+        or a verify step takes it.
         """
         params = [r.sampling_params for r in requests]
         random_idx = [i for i, p in enumerate(params) if not p.greedy]
@@ -118,7 +136,7 @@ class SamplingMetadata:
             min_p=None,
         )
         if not all_greedy:
-            _fill_random(meta, requests, random_idx, generators, device)
+            _fill_random(meta, requests, random_idx, generators, device, positional)
         _fill_logit_bias(meta, requests, device)
         _fill_min_tokens(meta, requests, device)
         meta.penalties = _build_penalties(requests, device)
@@ -142,6 +160,7 @@ def _fill_random(
     random_idx: list[int],
     generators: dict[str, torch.Generator],
     device: str | torch.device,
+    positional: bool,
 ) -> None:
     params = [requests[i].sampling_params for i in random_idx]
     meta.temperature = _float([p.temperature for p in params], device)  # [num_random]
@@ -155,6 +174,9 @@ def _fill_random(
         request = requests[i]
         seed = request.sampling_params.seed
         if seed is None:
+            continue
+        if positional:
+            meta.generators[pos] = make_generator(position_seed(seed, request.num_output_tokens), device)
             continue
         generator = generators.get(request.request_id)
         if generator is None:

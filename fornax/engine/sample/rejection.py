@@ -17,6 +17,12 @@ lossless:
 
 Every verifying random request draws exactly k + 1 uniforms per step, from its own
 generator when seeded, so a seeded request reproduces whatever shares its batch.
+
+Deterministic mode (positional=True, docs/deterministic.md) verifies random rows by matching
+instead: each row draws the token plain sampling would draw at that position (the same
+function, a draw seeded by the position), and d_j is accepted while it equals that token.
+With a one-hot q this accepts d_j with probability p_j(d_j), as rejection sampling does, and
+emits exactly the tokens a run without speculation emits for the same seed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from fornax.engine.outputs import TokenLogprobs
 from fornax.engine.request import Request, SamplingParams
 from fornax.engine.sample.metadata import SamplingMetadata
-from fornax.engine.sample.sampler import filter_random_logits, gather_logprobs, process_logits
+from fornax.engine.sample.sampler import filter_random_logits, gather_logprobs, process_logits, sample
 from fornax.engine.structured.backend import GrammarState
 from fornax.engine.structured.masks import GrammarMask
 
@@ -88,15 +94,23 @@ def verify_drafts(
     drafts: Sequence[list[int]],
     generators: dict[str, torch.Generator],
     grammar_mask: GrammarMask | None = None,
+    positional: bool = False,
 ) -> VerifyResult:
     """Accept a prefix of each request's drafts and sample the token after it. Constrained
     requests verify against the grammar-masked target (`grammar_mask`: the mask after each
     prefix of their drafts), so a draft the grammar forbids has probability 0 and is rejected
     and the token taken in its place obeys the grammar; logprobs stay the raw model's."""
     rows = [DraftRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
-    meta = SamplingMetadata.build(rows, generators)  # type: ignore[arg-type]  # DraftRow duck-types Request
+    meta = SamplingMetadata.build(rows, generators, positional=positional)  # type: ignore[arg-type]  # DraftRow duck-types Request
     meta.grammar_mask = grammar_mask
     processed = process_logits(logits.float(), meta)  # [R, vocab]
+    if positional:
+        choice = sample(processed, meta).tolist()  # [R]: each row's token as plain sampling draws it
+        tokens, first = [], 0
+        for d in drafts:
+            tokens.append(_accept_greedy(d, choice[first : first + len(d) + 1]))
+            first += len(d) + 1
+        return VerifyResult(tokens, _logprobs(logits, requests, drafts, tokens))
     greedy_choice = None if meta.all_random else processed.argmax(dim=-1).tolist()  # [R]
     probs = None  # [num_random_rows, vocab], the exact distribution each random row samples from
     random_pos: dict[int, int] = {}  # batch row -> row of `probs`

@@ -70,21 +70,20 @@ static inline __attribute__((always_inline)) void tile(
             for (int r = 0; r < ROWS; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[r], xv);
         }
     }
-    if (NT == COLS && live == ROWS) {
-        /* a full tile: its 16 sums in one transposing reduction, rounded together, stored as
-         * 4 runs of 4 outputs (reducing each sum alone was ~40% of a tile's work at K = 576) */
-        _Static_assert(ROWS * COLS == 16, "reduce16 takes 16 sums");
-        __m512 v[ROWS * COLS];
-        for (int j = 0; j < COLS; j++)
-            for (int r = 0; r < ROWS; r++) v[j * ROWS + r] = acc[r][j];
-        const __m512 sums = vround_bf16(reduce16(v)); /* lane j * 4 + r */
-        uint16_t out[ROWS * COLS];
-        vstore_bf16(out, sums);
-        for (int j = 0; j < COLS; j++) memcpy(y + j * n, out + j * ROWS, sizeof(uint16_t) * ROWS);
-        return;
-    }
-    for (int r = 0; r < live; r++)
-        for (int j = 0; j < NT; j++) y[j * n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][j]));
+    /* The 16 sums in one transposing reduction, rounded together (reducing each sum alone was
+     * ~40% of a tile's work at K = 576). Partial tiles (fewer activation or weight rows) take
+     * the same reduction with zeros in the empty slots, never a horizontal sum of their own:
+     * each output is then summed in the same order whichever rows share its call, so a row's
+     * result does not depend on the batch it came in (deterministic mode,
+     * docs/deterministic.md). */
+    _Static_assert(ROWS * COLS == 16, "reduce16 takes 16 sums");
+    __m512 v[ROWS * COLS];
+    for (int j = 0; j < COLS; j++)
+        for (int r = 0; r < ROWS; r++) v[j * ROWS + r] = j < NT ? acc[r][j] : _mm512_setzero_ps();
+    const __m512 sums = vround_bf16(reduce16(v)); /* lane j * 4 + r */
+    uint16_t out[ROWS * COLS];
+    vstore_bf16(out, sums);
+    for (int j = 0; j < NT; j++) memcpy(y + j * n, out + j * ROWS, sizeof(uint16_t) * live);
 }
 
 /* x: [t_rows, k] bf16 with row stride x_stride (elements); w: [n, k] bf16; y: [t_rows, n]. */

@@ -52,6 +52,7 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int block_size, window; /* window 0: none */
     int kv_int8;            /* the caches are int8 rows with scales (paged_attention.c) */
+    int part_keys;          /* paged_attention.c: > 0 splits rows by keys, fixed (deterministic mode) */
     float eps, scale;
 } decoder_model;
 
@@ -76,11 +77,11 @@ typedef struct {
     void silu_mul_##SUFFIX(const T *, long, T *, int, int, int);                                 \
     int paged_attention_##SUFFIX(const T *, long, const T *, const T *, const float *,          \
                                  const float *, T *, const int32_t *, int, const int32_t *,      \
-                                 const int32_t *, int, int, int, int, int, float, int, int);     \
+                                 const int32_t *, int, int, int, int, int, float, int, int, int);\
     int paged_attention_##SUFFIX##_i8(const T *, long, const int8_t *, const int8_t *,           \
                                       const float *, const float *, T *, const int32_t *, int,   \
                                       const int32_t *, const int32_t *, int, int, int, int, int, \
-                                      float, int, int);                                          \
+                                      float, int, int, int);                                     \
     void kv_store_i8_##SUFFIX(const T *, long, int, const int64_t *, int, int, int8_t *, float *);
 
 DECLARE_KERNELS(f32, float)
@@ -167,7 +168,8 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                                                      attn, st->block_tables, st->max_blocks,     \
                                                      st->row_seq, st->row_pos, rows,             \
                                                      md->num_heads, md->num_kv_heads, d,         \
-                                                     md->block_size, md->scale, md->window, nt); \
+                                                     md->block_size, md->scale, md->window, nt,      \
+                                                     md->part_keys);                             \
             } else {                                                                             \
                 T *kc = ly->k_cache, *vc = ly->v_cache;                                          \
                 for (int r = 0; r < rows; r++) {                                                 \
@@ -179,7 +181,8 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                 bad |= paged_attention_##SUFFIX(qkv, qkv_w, kc, vc, 0, 0, attn, st->block_tables, \
                                                 st->max_blocks, st->row_seq, st->row_pos, rows,  \
                                                 md->num_heads, md->num_kv_heads, d,              \
-                                                md->block_size, md->scale, md->window, nt);      \
+                                                md->block_size, md->scale, md->window, nt,       \
+                                                md->part_keys);                                  \
             }                                                                                    \
             bad |= PROJECT(&ly->o, attn, q_size, rows, mlp, nt);                                 \
             rms_norm_##SUFFIX(mlp, hid, residual, hid, residual, ly->post_norm, h, rows, hid,    \

@@ -473,21 +473,28 @@ DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
  * very short one is split by KV head. Parts read whole K/V rows, so a block's 16 slots are
  * one sequential run for the prefetcher: at 256 keys per part, a lone decode of a few hundred
  * keys went per KV head instead, reading 128 of every 384 bytes, and its attention took ~57%
- * of the time of its layer's matmuls; at 32, ~31% (perf, one run each, 2026-12-03). */
+ * of the time of its layer's matmuls; at 32, ~31% (perf, one run each, 2026-12-03).
+ *
+ * part_keys > 0 (deterministic mode, docs/deterministic.md): that split depends on how many
+ * rows share the call and on the thread count, and so do a row's sums. Instead every row is
+ * cut into parts of part_keys keys counted from its first key, all KV heads together, and
+ * merged in part order: the order of a row's additions then follows from its own length. */
 #define MIN_PART_KEYS 32
 #define DEFINE_PAGED_ATTENTION(NAME, PART, T, C, STORE)                                          \
     int NAME(const T *q, long q_row_stride, const C *k_cache, const C *v_cache,                  \
              const float *k_scale, const float *v_scale, T *out, const int32_t *block_tables,    \
              int max_blocks, const int32_t *row_seq, const int32_t *row_pos, int num_rows,       \
              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,         \
-             int window, int num_threads) {                                                      \
+             int window, int num_threads, int part_keys) {                                       \
         if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_rows <= 0) return num_rows < 0; \
         int longest = 0;                                                                         \
         for (int r = 0; r < num_rows; r++) longest = row_pos[r] + 1 > longest ? row_pos[r] + 1 : longest; \
         if (window > 0 && longest > window) longest = window;                                    \
         /* Few rows: split long ones by keys (whole K/V rows, read sequentially), short ones by \
          * KV head; enough rows: one item per row. */                                           \
-        const int few = num_rows < 2 * num_threads, split_keys = few && longest >= 2 * MIN_PART_KEYS; \
+        const int fixed = part_keys > 0;                                                         \
+        const int few = !fixed && num_rows < 2 * num_threads;                                    \
+        const int split_keys = few && longest >= 2 * MIN_PART_KEYS;                              \
         const int chunk = few && !split_keys ? 1 : num_kv_heads;                                 \
         const int per_row = num_kv_heads / chunk, group = num_heads / num_kv_heads;              \
         const int nh = chunk * group, stride = nh * (head_dim + 2);                              \
@@ -497,20 +504,43 @@ DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
             parts = (4 * num_threads + num_rows - 1) / num_rows;                                 \
             if (parts > longest / MIN_PART_KEYS) parts = longest / MIN_PART_KEYS;                \
         }                                                                                        \
-        const long num_items = base * parts;                                                     \
+        /* unit_first[u]: the first item of unit u (a row's chunk of KV heads); its parts are   \
+         * the items up to unit_first[u + 1] */                                                  \
+        long *unit_first = malloc(sizeof(long) * (size_t)(base + 1));                            \
+        if (!unit_first) return 2;                                                               \
+        unit_first[0] = 0;                                                                       \
+        for (long unit = 0; unit < base; unit++) {                                               \
+            const int pos = row_pos[unit / per_row];                                             \
+            const int n = window > 0 && pos + 1 > window ? window : pos + 1;                     \
+            unit_first[unit + 1] = unit_first[unit] + (fixed ? (n + part_keys - 1) / part_keys : parts); \
+        }                                                                                        \
+        const long num_items = unit_first[base];                                                 \
         float *scratch = malloc(sizeof(float) * (size_t)num_items * stride);                     \
-        if (!scratch) return 2;                                                                  \
+        long *item_unit = malloc(sizeof(long) * (size_t)num_items);                              \
+        if (!scratch || !item_unit) {                                                            \
+            free(scratch), free(item_unit), free(unit_first);                                    \
+            return 2;                                                                            \
+        }                                                                                        \
+        for (long unit = 0; unit < base; unit++)                                                 \
+            for (long item = unit_first[unit]; item < unit_first[unit + 1]; item++) item_unit[item] = unit; \
         int failed = 0;                                                                          \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)") \
         for (long item = 0; item < num_items; item++) {                                          \
-            const long unit = item / parts;                                                      \
-            const int part = (int)(item % parts);                                                \
+            const long unit = item_unit[item];                                                   \
+            const int unit_parts = (int)(unit_first[unit + 1] - unit_first[unit]);               \
+            const int part = (int)(item - unit_first[unit]);                                     \
             const int r = (int)(unit / per_row), kvh0 = (int)(unit % per_row) * chunk;           \
             const int pos = row_pos[r];                                                          \
             const int first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;       \
             const int n = pos - first + 1;                                                       \
-            const int k0 = first + (int)((long)n * part / parts);                                \
-            const int k1 = first + (int)((long)n * (part + 1) / parts);                          \
+            int k0, k1;                                                                          \
+            if (fixed) {                                                                         \
+                k0 = first + part * part_keys;                                                   \
+                k1 = k0 + part_keys < pos + 1 ? k0 + part_keys : pos + 1;                        \
+            } else {                                                                             \
+                k0 = first + (int)((long)n * part / unit_parts);                                 \
+                k1 = first + (int)((long)n * (part + 1) / unit_parts);                           \
+            }                                                                                    \
             float *m = scratch + item * stride, *l = m + nh, *acc = l + nh;                      \
             if (PART(q, q_row_stride, k_cache, v_cache, k_scale, v_scale,                       \
                      block_tables + (long)row_seq[r] * max_blocks,                               \
@@ -522,15 +552,16 @@ DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
             _Pragma("omp parallel for num_threads(num_threads) if (base * nh >= 64)")            \
             for (long unit = 0; unit < base; unit++) {                                           \
                 const int r = (int)(unit / per_row), kvh0 = (int)(unit % per_row) * chunk;      \
-                const float *first_part = scratch + unit * parts * stride;                       \
+                const float *first_part = scratch + unit_first[unit] * stride;                   \
+                const int unit_parts = (int)(unit_first[unit + 1] - unit_first[unit]);           \
                 for (int h = 0; h < nh; h++) {                                                   \
                     float mx = -INFINITY, total = 0.f;                                           \
-                    for (int p = 0; p < parts; p++) {                                            \
+                    for (int p = 0; p < unit_parts; p++) {                                       \
                         const float mp = first_part[p * stride + h];                             \
                         mx = mp > mx ? mp : mx;                                                  \
                     }                                                                            \
-                    float w[parts];                                                              \
-                    for (int p = 0; p < parts; p++) {                                            \
+                    float w[unit_parts];                                                         \
+                    for (int p = 0; p < unit_parts; p++) {                                       \
                         const float *mp = first_part + p * stride;                               \
                         w[p] = mp[h] == -INFINITY ? 0.f : expf(mp[h] - mx);                      \
                         total += w[p] * mp[nh + h];                                              \
@@ -539,7 +570,7 @@ DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
                     T *o = out + ((long)r * num_heads + (long)kvh0 * group + h) * head_dim;      \
                     for (int d = 0; d < head_dim; d++) {                                         \
                         float v = 0.f;                                                           \
-                        for (int p = 0; p < parts; p++)                                          \
+                        for (int p = 0; p < unit_parts; p++)                                     \
                             v += w[p] * first_part[p * stride + 2 * nh + (long)h * head_dim + d]; \
                         STORE(o, d, v * inv);                                                    \
                     }                                                                            \
@@ -547,6 +578,8 @@ DEFINE_VALUE_PASS(value_pass_i8, int8_t, pv_group_i8, pv_tile_i8)
             }                                                                                    \
         }                                                                                        \
         free(scratch);                                                                           \
+        free(item_unit);                                                                         \
+        free(unit_first);                                                                        \
         return failed ? 2 : 0;                                                                   \
     }
 
