@@ -1,5 +1,6 @@
 """Dense bf16 matmuls over one model's worth of matrices, by rows per call: torch's linear
-(oneDNN) against fornax's native bf16 kernel (kernels/bf16_matmul.c), side by side.
+(oneDNN) against fornax's native bf16 kernel (kernels/bf16_matmul.c) and, where the CPU has
+AMX, the AMX kernel of deterministic mode (kernels/amx_matmul.c), side by side.
 
 Random bf16 weights in the default model's shapes (30 layers of qkv / o / gate_up / down and
 the 49,152-row LM head: ~268 MB, eight times this CPU's L3, so every pass streams the weights
@@ -9,6 +10,7 @@ batched decode or speculative verification). Python's per-call overhead is inclu
 both (121 calls a pass).
 
     .venv/bin/python benchmarks/bf16_matmul.py [--rows 1,2,4,8,16,24,32]
+    .venv/bin/python benchmarks/bf16_matmul.py --rows 1,16,64,128,512   # deterministic mode's forms
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
-from fornax.layers.native import load_bf16_matmul
+from fornax.layers.linear import AmxBf16
+from fornax.layers.native import load_amx_bf16_matmul, load_bf16_matmul
 
 
 def main() -> None:
@@ -34,18 +37,33 @@ def main() -> None:
         raise SystemExit("the native bf16 kernel does not run here (no AVX-512 BF16 or no C compiler)")
     torch.manual_seed(0)
     weights = [torch.randn(n, k).bfloat16() for n, k in LAYER_SHAPES * args.layers + [HEAD_SHAPE]]
-    print(f"{'rows':>4}  {'torch ms':>9}  {'native ms':>9}  {'torch / native':>14}")
+    amx = load_amx_bf16_matmul()
+    packed = [AmxBf16(w, amx) for w in weights] if amx is not None else []
+    sides = {"torch": (F.linear, weights), "native": (kernel, weights)}
+    if packed:
+        sides["amx"] = (lambda x, form: form(x), packed)
+    header = f"{'rows':>4}  {'torch ms':>9}  {'native ms':>9}  {'torch / native':>14}"
+    print(header + (f"  {'amx ms':>9}  {'torch / amx':>11}" if packed else ""))
     for rows in map(int, args.rows.split(",")):
         xs = {k: torch.randn(rows, k).bfloat16() for _, k in LAYER_SHAPES}
-        runs: dict[str, list[float]] = {"torch": [], "native": []}
+        runs: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(7):
-            for name, fn in (("torch", F.linear), ("native", kernel)):
+            for name, (fn, ws) in sides.items():
                 start = time.perf_counter()
-                for w in weights:
-                    fn(xs[w.shape[1]], w)
+                for w in ws:
+                    fn(xs[_width(w)], w)
                 runs[name].append((time.perf_counter() - start) * 1e3)
         t, n = statistics.median(runs["torch"]), statistics.median(runs["native"])
-        print(f"{rows:>4}  {t:>9.2f}  {n:>9.2f}  {t / n:>13.2f}x")
+        line = f"{rows:>4}  {t:>9.2f}  {n:>9.2f}  {t / n:>13.2f}x"
+        if packed:
+            a = statistics.median(runs["amx"])
+            line += f"  {a:>9.2f}  {t / a:>10.2f}x"
+        print(line)
+
+
+def _width(w: torch.Tensor | AmxBf16) -> int:
+    """A weight's input width, dense [N, K] or tile-packed."""
+    return w.packed.shape[1] * 32 if isinstance(w, AmxBf16) else w.shape[1]
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fornax.layers.native import (
+    AmxBf16Matmul,
     Bf16Matmul,
     Int8Matmul,
     QuantMatmul,
+    load_amx_bf16_matmul,
     load_bf16_matmul,
     load_int8_matmul,
     load_quant_matmul,
@@ -227,6 +229,35 @@ class DenseBf16:
         return self.kernel(x, self.weight)
 
 
+class AmxBf16:
+    """The dense bf16 weight repacked into AMX tiles (kernels/amx_matmul.c): deterministic
+    mode's form for dense bf16 layers where the CPU has AMX. Its sums for a row are the same
+    whatever rows share the call, and past a few rows it runs at oneDNN's speed, where
+    DenseBf16's AVX-512 loop falls to a fraction of it (docs/deterministic.md). Replaces the
+    dense weight (same bytes, up to 31 zero channels of padding)."""
+
+    quantized = False
+
+    def __init__(self, weight: torch.Tensor, kernel: AmxBf16Matmul) -> None:
+        out_f, in_f = weight.shape
+        pad = -out_f % 32  # the kernel's panels of two 16-channel blocks
+        w = torch.cat([weight, weight.new_zeros(pad, in_f)]) if pad else weight
+        # [N / 16, 16 ch, K / 32, 16 pairs, 2] -> [N / 16, K / 32, 16 pairs, 16 ch, 2]: each block of
+        # 16 channels x 32 values is one B tile, row p holding the channels' values 2p, 2p + 1
+        tiles = w.reshape(-1, 16, in_f // 32, 16, 2).permute(0, 2, 3, 1, 4)
+        self.packed = tiles.contiguous().to(torch.bfloat16)
+        self.out_features, self.kernel = out_f, kernel
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] (unpacked; no rounding was involved)."""
+        blocks, ksteps = self.packed.shape[:2]
+        w = self.packed.permute(0, 3, 1, 2, 4).reshape(blocks * 16, ksteps * 32)
+        return w[: self.out_features]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.out_features)
+
+
 def hadamard_blocks(w: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Each row's blocks of `block` values times the unnormalized Sylvester Hadamard matrix
     (entries +-1; what kernels/int8_matmul.c applies to activations), in float32."""
@@ -296,6 +327,13 @@ def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
 
 # use_one_form's row limit: more rows than any step carries.
 ONE_FORM_ROWS = 1 << 30
+
+def amx_matmul_for(weight: torch.Tensor, backend: str) -> AmxBf16Matmul | None:
+    """The AMX bf16 kernel when `backend` asks for it, it runs here, and `weight` is a bf16
+    matrix whose width is a multiple of 32; None otherwise."""
+    ok = weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
+    return load_amx_bf16_matmul() if backend == "native" and ok else None
+
 
 SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
 NATIVE_SMALL_STEP_METHODS: dict[str, type] = {"int8": BlockInt8, "int4": BlockInt4}
@@ -381,10 +419,15 @@ class Linear(nn.Module):
         the one that holds the weights as configured, and is batch-invariant here (each output
         summed in an order fixed by the shapes of W and x's row alone): the int8 x int8 form
         where w8a8 was asked for (it covers prefill), else the quantized small form, else the
-        dense weight through the native bf16 kernel. ValueError where none of them runs."""
+        dense weight on AMX tiles (AmxBf16) or, without AMX, through the native bf16 kernel.
+        ValueError where none of them runs."""
         if self.large is not None:
             self.small, self.small_max_rows, self.large_min_rows = None, 0, 1
-        elif isinstance(self.small, (BlockInt4, BlockInt8, DenseBf16)):
+        elif isinstance(self.small, (BlockInt4, BlockInt8)):
+            self.small_max_rows = ONE_FORM_ROWS
+        elif (amx := amx_matmul_for(self._dense(), backend)) is not None:
+            self.set_small(AmxBf16(self._dense(), amx), ONE_FORM_ROWS)
+        elif isinstance(self.small, DenseBf16):
             self.small_max_rows = ONE_FORM_ROWS
         else:
             kernel = dense_matmul_for(self._dense(), backend) if self.small is None else None

@@ -493,6 +493,45 @@ class Bf16Matmul:
         return out
 
 
+class AmxBf16Matmul:
+    """ctypes wrapper of kernels/amx_matmul.c: y = x W^T on AMX tiles, W packed as
+    layers/linear.py AmxBf16 packs it. Only loaded where the CPU has AMX-BF16 and the OS lets
+    this process use it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._fn = lib.amx_bf16_matmul
+        self._fn.restype, self._fn.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i, p, i]
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """y [T, N] = x W^T; x: [T, K] bf16 (any row stride); packed: [N_pad / 16, K / 32, 16, 16, 2]."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        blocks, ksteps = packed.shape[:2]
+        if (
+            x.dtype != torch.bfloat16
+            or packed.dtype != torch.bfloat16
+            or not packed.is_contiguous()
+            or x.shape[1] != ksteps * 32
+            or blocks * 16 < out_features
+        ):
+            raise ValueError("AMX matmul: x [T, K] bfloat16 and weights packed for K and N")
+        out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+        status = self._fn(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            x.shape[1],
+            packed.data_ptr(),
+            out_features,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"AMX matmul kernel failed (status {status})")
+        return out
+
+
 class Int8Matmul:
     """ctypes wrappers of kernels/int8_matmul.c: int8 x int8 matmuls of weights and activations
     rotated blockwise (formats there; built by layers/linear.py Int8Rotated). Only loaded where
@@ -551,7 +590,7 @@ class Int8Matmul:
 
 
 # kernels/decode_step.c `qlinear.kind`: the weight format of one projection
-QLINEAR_Q8, QLINEAR_Q4, QLINEAR_BF16, QLINEAR_I8 = 0, 1, 2, 3
+QLINEAR_Q8, QLINEAR_Q4, QLINEAR_BF16, QLINEAR_I8, QLINEAR_AMX = 0, 1, 2, 3, 4
 
 
 class QLinearDesc(ctypes.Structure):
@@ -705,6 +744,13 @@ def load_quant_matmul() -> QuantMatmul | None:
 def load_bf16_matmul() -> Bf16Matmul | None:
     """The bf16 small-step matmul, or None where it cannot run here (no AVX-512 BF16, no compiler)."""
     return _wrap_if_available("bf16_matmul_available", Bf16Matmul)
+
+
+@functools.cache
+def load_amx_bf16_matmul() -> AmxBf16Matmul | None:
+    """The AMX bf16 matmul, or None where it cannot run here (no AMX-BF16, an OS that does not
+    grant the tile state, no compiler)."""
+    return _wrap_if_available("amx_bf16_available", AmxBf16Matmul)
 
 
 @functools.cache

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from fornax.layers.attention import AttentionMetadata
-from fornax.layers.linear import BlockInt4, BlockInt8, DenseBf16, Int8Rotated, Linear
+from fornax.layers.linear import AmxBf16, BlockInt4, BlockInt8, DenseBf16, Int8Rotated, Linear
 from fornax.layers.native import (
+    QLINEAR_AMX,
     QLINEAR_BF16,
     QLINEAR_I8,
     QLINEAR_Q4,
@@ -42,6 +43,8 @@ def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:
         w, d, m, kind = form.qweight, form.d, None, QLINEAR_Q8
     elif isinstance(form, DenseBf16):
         w, d, m, kind = form.weight, None, None, QLINEAR_BF16
+    elif isinstance(form, AmxBf16):
+        w, d, m, kind = form.packed, None, None, QLINEAR_AMX
     elif isinstance(form, Int8Rotated):
         w, d, m, kind = form.packed, form.colsum, form.scale, QLINEAR_I8
     else:

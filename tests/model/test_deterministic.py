@@ -127,40 +127,34 @@ def test_alone_subsets_and_warm_cache(reference, default_gguf: Path) -> None:
     assert llm.engine.stats().prefix_cache_hits > 0  # the warm runs did hit the cache
 
 
-@pytest.mark.parametrize("chunk", [32, 72, 128])
-def test_chunked_prefill(reference, default_gguf: Path, chunk: int) -> None:
-    """Prompts prefilled in chunks of at most `chunk` tokens beside the others' decodes, with
-    no prefix cache (every prompt computed cold)."""
-    form, prompts, want = reference
-    llm = _engine(
-        default_gguf,
-        form,
-        max_num_batched_tokens=chunk,
-        long_prefill_token_threshold=chunk,
-        enable_prefix_caching=False,
-    )
-    assert not _differences(_run(llm, prompts, range(len(prompts))), want), f"{form}, chunk {chunk}"
+def _chunks(tokens: int) -> dict:
+    """Prompts prefilled in chunks of at most `tokens` tokens, beside the other requests' decodes."""
+    return {"max_num_batched_tokens": tokens, "long_prefill_token_threshold": tokens}
 
 
-def test_ngram_speculation(reference, default_gguf: Path) -> None:
-    """n-gram drafts verified by the target: the same tokens and logprobs, seeded samples included."""
-    form, prompts, want = reference
-    llm = _engine(default_gguf, form, speculative_config=NGRAM_ALWAYS)
-    got = _run(llm, prompts, range(len(prompts)))
-    assert not _differences(got, want), f"{form}, ngram"
-    assert llm.engine.stats().spec_num_accepted_tokens_total > 0  # drafts were verified and taken
+# Each variation is one fresh engine (loading make run's forms takes a few seconds, so the
+# variations are paired up rather than run one engine each).
+VARIATIONS = {
+    "chunks of 32, cold cache": _chunks(32) | {"enable_prefix_caching": False},
+    "chunks of 72, n-gram drafts": _chunks(72) | {"speculative_config": NGRAM_ALWAYS},
+    "chunks of 128, one thread": _chunks(128) | {"num_threads": 1},
+}
 
 
-def test_one_thread(reference, default_gguf: Path) -> None:
+@pytest.mark.parametrize("variation", list(VARIATIONS))
+def test_variation(reference, default_gguf: Path, variation: str) -> None:
     form, prompts, want = reference
     threads = torch.get_num_threads()
     assert threads > 1, "the reference must run on more than one thread for this to mean anything"
     try:
-        llm = _engine(default_gguf, form, num_threads=1)  # sets torch's (process-wide) pool
+        llm = _engine(default_gguf, form, **VARIATIONS[variation])  # sets torch's (process-wide) pool
         got = _run(llm, prompts, range(len(prompts)))
+        stats = llm.engine.stats()
     finally:
         torch.set_num_threads(threads)
-    assert not _differences(got, want), f"{form}, one thread"
+    assert not _differences(got, want), f"{form}, {variation}"
+    if "n-gram" in variation:
+        assert stats.spec_num_accepted_tokens_total > 0  # drafts were verified and taken
 
 
 def test_default_mode_is_not_batch_invariant(default_gguf: Path) -> None:

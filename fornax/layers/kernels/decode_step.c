@@ -30,8 +30,9 @@
 
 /* One projection's weights: kind Q8 / Q4 (formats in quant_matmul.c; d, m float16, m only for
  * Q4), BF16 (w the dense [n, k] weight, bf16 models only; bf16_matmul.c) or I8 (w the rotated
- * int8 panels, d the int32 column sums, m the float32 column scales; int8_matmul.c, bf16 only). */
-enum { QLINEAR_Q8 = 0, QLINEAR_Q4 = 1, QLINEAR_BF16 = 2, QLINEAR_I8 = 3 };
+ * int8 panels, d the int32 column sums, m the float32 column scales; int8_matmul.c, bf16 only)
+ * or AMX (w the tile-packed bf16 weight of amx_matmul.c, bf16 only). */
+enum { QLINEAR_Q8 = 0, QLINEAR_Q4 = 1, QLINEAR_BF16 = 2, QLINEAR_I8 = 3, QLINEAR_AMX = 4 };
 typedef struct {
     const void *w;
     const void *d, *m;
@@ -89,6 +90,7 @@ DECLARE_KERNELS(bf16, uint16_t)
 int bf16_matmul_bf16(const uint16_t *, long, int, int, const uint16_t *, int, uint16_t *, int);
 int int8_matmul_bf16(const uint16_t *, long, int, int, const int8_t *, const int32_t *, const float *, int,
                      uint16_t *, int);
+int amx_bf16_matmul(const uint16_t *, long, int, int, const uint16_t *, int, uint16_t *, int);
 
 /* The BF16 and I8 kinds exist for bf16 activations only; a float32 step never gets one
  * (native_step.py), and refuses it if it did. */
@@ -101,6 +103,7 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                                  uint16_t *y, int nt) {
     if (lin->kind == QLINEAR_I8)
         return int8_matmul_bf16(x, x_stride, rows, k, lin->w, lin->d, lin->m, lin->n, y, nt);
+    if (lin->kind == QLINEAR_AMX) return amx_bf16_matmul(x, x_stride, rows, k, lin->w, lin->n, y, nt);
     return bf16_matmul_bf16(x, x_stride, rows, k, lin->w, lin->n, y, nt);
 }
 
@@ -112,7 +115,7 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
 #define DEFINE_PROJECT(NAME, SUFFIX, T, LOAD, ROUND, STORE)                                       \
     static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
         int bad = 0;                                                                             \
-        if (lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8)                                \
+        if (lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8 || lin->kind == QLINEAR_AMX)    \
             bad = bf16_only_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt);              \
         const int quant = lin->kind == QLINEAR_Q4 || lin->kind == QLINEAR_Q8;                    \
         for (int r0 = 0; quant && r0 < rows && !bad; r0 += QUANT_MAX_ROWS) {                     \
