@@ -328,6 +328,7 @@ def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
 # use_one_form's row limit: more rows than any step carries.
 ONE_FORM_ROWS = 1 << 30
 
+
 def amx_matmul_for(weight: torch.Tensor, backend: str) -> AmxBf16Matmul | None:
     """The AMX bf16 kernel when `backend` asks for it, it runs here, and `weight` is a bf16
     matrix whose width is a multiple of 32; None otherwise."""
