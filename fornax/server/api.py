@@ -112,7 +112,12 @@ async def models(request: Request) -> Response:
             else model.config.engine.scheduler.max_model_len
         )
         cards += [
-            ModelCard(id=name, created=int(state.started_at), max_model_len=max_len)
+            ModelCard(
+                id=name,
+                created=int(state.started_at),
+                max_model_len=max_len,
+                deterministic=model.config.engine.deterministic,
+            )
             for name in model.config.names
         ]
     return _json(ModelList(data=cards))

@@ -284,6 +284,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "fornax"
     max_model_len: int | None = None
+    # fornax: whether the model's engine runs in deterministic mode (docs/deterministic.md)
+    deterministic: bool | None = None
 
 
 class ModelList(_Response):

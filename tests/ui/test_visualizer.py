@@ -6,6 +6,7 @@ never `playwright install`). Screenshots of each stage go to docs/ui/ (one is in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -118,6 +119,7 @@ def test_visualizer_follows_a_real_request(server, browser):
     chips = [int(x) for x in _attrs(page, "#token-chips .chip", "e.dataset.id")]
     assert chips == expected
     assert page.inner_text("#token-count") == str(len(expected))
+    assert page.inner_text("#numerics").startswith("batch-dependent")  # served without --deterministic
     num_template = page.locator("#token-chips .chip.template").count()
     assert 0 < num_template < len(expected)
 
@@ -338,4 +340,36 @@ def test_visualizer_picks_the_model(make_server, browser, gemma3_gguf):
     assert [int(c) for c in chips] == gemma.json()["tokens"]
     page.wait_for_timeout(1200)  # a live snapshot of the model's own engine
     page.screenshot(path=str(SHOTS / "gemma3.png"), full_page=True)
+    page.close()
+
+
+def test_deterministic_server(make_server, browser):
+    """`fornax serve --deterministic`: a request's logprobs are the same alone and among eight
+    concurrent others (the default server's differ, tests/model/test_deterministic.py), and the
+    page says which numerics the model runs with."""
+    server = make_server(["--deterministic", "--no-access-log"])
+    body = {"messages": _messages(), "temperature": 0, "max_tokens": 12, "logprobs": True}
+
+    def logprobs(response: httpx.Response) -> list[float]:
+        return [t["logprob"] for t in response.json()["choices"][0]["logprobs"]["content"]]
+
+    alone = logprobs(httpx.post(server.url + "/v1/chat/completions", timeout=120, json=body))
+
+    async def crowd() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            others = [
+                {"messages": [{"role": "user", "content": f"Count to {n} in words."}], "max_tokens": 20 + n}
+                for n in range(8)
+            ]
+            calls = [client.post(server.url + "/v1/chat/completions", json=o) for o in others]
+            calls.insert(3, client.post(server.url + "/v1/chat/completions", json=body))
+            return await asyncio.gather(*calls)
+
+    assert logprobs(asyncio.run(crowd())[3]) == alone
+    models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+    assert models[0]["deterministic"] is True
+    page = browser.new_page()
+    page.goto(server.url + "/ui/")
+    page.wait_for_function("document.getElementById('numerics').textContent !== '–'")
+    assert page.inner_text("#numerics").startswith("deterministic")
     page.close()

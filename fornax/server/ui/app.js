@@ -22,6 +22,7 @@ let routerUrl = "";  // "" when the page talks to its own server only
 let routerPoll = 0;  // bumped to stop the poller of a router no longer shown
 let servedBy = null;  // the replica the router chose for the last request
 let model = null;
+let deterministic = {};  // model id -> whether its engine runs in deterministic mode
 let liveAbort = null;
 let charts = null;
 
@@ -106,6 +107,16 @@ function handleError(err) {
 
 // ---- connecting --------------------------------------------------------------------------------
 
+// What the batch and the cache may do to this request's tokens (docs/deterministic.md).
+function showNumerics() {
+  const on = deterministic[model] === true;
+  const cell = $("numerics");
+  cell.textContent = on
+    ? "deterministic: the batch, chunking and cache hits do not change its tokens or logprobs"
+    : "batch-dependent: other requests in the step and cache hits can change low bits of its logits (serve with --deterministic to fix them)";
+  cell.dataset.deterministic = String(on);
+}
+
 async function connect() {
   showError("");
   setConn("connecting", "connecting…");
@@ -116,11 +127,14 @@ async function connect() {
     // a server with several models: the picker chooses which one the page talks to
     const picker = $("model");
     const ids = body.data.map((m) => m.id);
+    deterministic = Object.fromEntries(body.data.map((m) => [m.id, m.deterministic === true]));
     picker.replaceChildren(...ids.map((id) => new Option(id, id)));
     model = ids.includes(model) ? model : ids[0];
     picker.value = model;
+    showNumerics();
     picker.onchange = () => {
       model = picker.value;
+      showNumerics();
       setConn("ok", "connected · " + model);
       startLive();
     };
