@@ -44,7 +44,7 @@ def _serve_and_bench(flags: list[str], streams: int, log_dir: Path) -> float:
                 "--seed", "0", "--no-progress", "--json", str(out),
             ],
             check=True,
-            stdout=subprocess.DEVNULL,
+            capture_output=True,  # its progress lines; its summary is read from the JSON
         )  # fmt: skip
         summary = json.loads(out.read_text())["summary"]
         if summary.get("failed"):
