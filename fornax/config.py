@@ -417,7 +417,7 @@ class EngineConfig:
     # own tokens, whatever shares its steps, whatever the prefix cache holds, however its
     # prompt is chunked, with or without speculative decoding, at any thread count. Each Linear
     # keeps one weight form for every step size and every row attends through the paged-
-    # attention kernel in parts of fixed size. Needs the native kernels and bfloat16.
+    # attention kernel in parts of fixed size. Needs the native kernels, bfloat16 or float32.
     deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -464,12 +464,12 @@ class EngineConfig:
 
     def _check_deterministic(self) -> None:
         """What deterministic mode cannot promise, refused at construction rather than broken
-        quietly: its batch-invariant kernels are the native bf16 ones, and an LM head form for
+        quietly: its batch-invariant kernels are the native bf16 and float32 ones, and an LM head form for
         one- and two-row steps is a second form by construction."""
-        if self.dtype != "bfloat16" or self.kernel_backend != "native":
+        if self.dtype == "float16" or self.kernel_backend != "native":
             raise ConfigError(
-                "deterministic mode runs on the native bf16 kernels: it needs dtype 'bfloat16' and "
-                f"kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
+                "deterministic mode runs on the native kernels: it needs dtype 'bfloat16' or 'float32' "
+                f"and kernel_backend 'native' (got {self.dtype!r}, {self.kernel_backend!r})"
             )
         if self.lm_head_quantization is not None:
             raise ConfigError(

@@ -33,10 +33,12 @@ from torch import nn
 from fornax.layers.native import (
     AmxBf16Matmul,
     Bf16Matmul,
+    F32Matmul,
     Int8Matmul,
     QuantMatmul,
     load_amx_bf16_matmul,
     load_bf16_matmul,
+    load_f32_matmul,
     load_int8_matmul,
     load_quant_matmul,
 )
@@ -229,6 +231,20 @@ class DenseBf16:
         return self.kernel(x, self.weight)
 
 
+class DenseF32:
+    """The dense float32 weight itself through kernels/f32_matmul.c: deterministic mode's form
+    for float32 layers (torch's float32 linear blocks its sums by the call's shape). Holds the
+    Linear's weight tensor, so it costs no memory."""
+
+    quantized = False
+
+    def __init__(self, weight: torch.Tensor, kernel: F32Matmul) -> None:
+        self.weight, self.kernel = weight, kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight)
+
+
 class AmxBf16:
     """The dense bf16 weight repacked into AMX tiles (kernels/amx_matmul.c): deterministic
     mode's form for dense bf16 layers where the CPU has AMX. Its sums for a row are the same
@@ -329,6 +345,13 @@ def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
 ONE_FORM_ROWS = 1 << 30
 
 
+def f32_matmul_for(weight: torch.Tensor, backend: str) -> F32Matmul | None:
+    """The fixed-order float32 kernel when `backend` asks for it, it runs here, and `weight` is a
+    contiguous float32 matrix whose width is a multiple of 16; None otherwise."""
+    ok = weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 16 == 0
+    return load_f32_matmul() if backend == "native" and ok else None
+
+
 def amx_matmul_for(weight: torch.Tensor, backend: str) -> AmxBf16Matmul | None:
     """The AMX bf16 kernel when `backend` asks for it, it runs here, and `weight` is a bf16
     matrix whose width is a multiple of 32; None otherwise."""
@@ -420,8 +443,9 @@ class Linear(nn.Module):
         the one that holds the weights as configured, and is batch-invariant here (each output
         summed in an order fixed by the shapes of W and x's row alone): the int8 x int8 form
         where w8a8 was asked for (it covers prefill), else the quantized small form, else the
-        dense weight on AMX tiles (AmxBf16) or, without AMX, through the native bf16 kernel.
-        ValueError where none of them runs."""
+        dense weight on AMX tiles (AmxBf16) or, without AMX, through the native bf16 kernel;
+        a float32 weight through the fixed-order float32 kernel (DenseF32). ValueError where
+        none of them runs."""
         if self.large is not None:
             self.small, self.small_max_rows, self.large_min_rows = None, 0, 1
         elif isinstance(self.small, (BlockInt4, BlockInt8)):
@@ -430,6 +454,8 @@ class Linear(nn.Module):
             self.set_small(AmxBf16(self._dense(), amx), ONE_FORM_ROWS)
         elif isinstance(self.small, DenseBf16):
             self.small_max_rows = ONE_FORM_ROWS
+        elif self.small is None and (f32 := f32_matmul_for(self._dense(), backend)) is not None:
+            self.set_small(DenseF32(self._dense(), f32), ONE_FORM_ROWS)
         else:
             kernel = dense_matmul_for(self._dense(), backend) if self.small is None else None
             if kernel is None:  # torch's int4/int8 kernels, or no native bf16 kernel
@@ -443,7 +469,7 @@ class Linear(nn.Module):
     def needs_dense_weight(self) -> bool:
         """Whether some step still reads the dense weight: a row count that falls through every
         form to torch's linear, or a DenseBf16 form (which computes from it)."""
-        if any(isinstance(f, DenseBf16) for f in (self.small, self.mid)):
+        if any(isinstance(f, (DenseBf16, DenseF32)) for f in (self.small, self.mid)):
             return True
         if self.small is not None and self.small_max_rows >= ONE_FORM_ROWS:
             return False  # the small form serves every row count (use_one_form)

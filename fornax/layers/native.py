@@ -493,6 +493,43 @@ class Bf16Matmul:
         return out
 
 
+class F32Matmul:
+    """ctypes wrapper of kernels/f32_matmul.c: y = x W^T in float32 with a fixed order of
+    additions per output (deterministic mode's float32 layers)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._fn = lib.f32_matmul_f32
+        self._fn.restype, self._fn.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i, p, i]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y [T, N] = x W^T; x: [T, K] float32 (any row stride), weight: [N, K] float32 contiguous."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        n, k = weight.shape
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.shape[1] != k
+            or not weight.is_contiguous()
+        ):
+            raise ValueError("float32 matmul: x [T, K] and a contiguous weight [N, K], both float32")
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        status = self._fn(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            k,
+            weight.data_ptr(),
+            n,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status:
+            raise RuntimeError(f"float32 matmul kernel failed (status {status})")
+        return out
+
+
 class AmxBf16Matmul:
     """ctypes wrapper of kernels/amx_matmul.c: y = x W^T on AMX tiles, W packed as
     layers/linear.py AmxBf16 packs it. Only loaded where the CPU has AMX-BF16 and the OS lets
@@ -744,6 +781,12 @@ def load_quant_matmul() -> QuantMatmul | None:
 def load_bf16_matmul() -> Bf16Matmul | None:
     """The bf16 small-step matmul, or None where it cannot run here (no AVX-512 BF16, no compiler)."""
     return _wrap_if_available("bf16_matmul_available", Bf16Matmul)
+
+
+@functools.cache
+def load_f32_matmul() -> F32Matmul | None:
+    """The fixed-order float32 matmul, or None where it cannot run here (no AVX-512, no compiler)."""
+    return _wrap_if_available("f32_matmul_available", F32Matmul)
 
 
 @functools.cache

@@ -12,10 +12,11 @@ import torch
 
 from fornax.layers.attention import DETERMINISTIC_PART_KEYS
 from fornax.layers.kv_pool import LayerKV
-from fornax.layers.linear import AmxBf16, BlockInt4, DenseBf16, Int8Rotated
+from fornax.layers.linear import AmxBf16, BlockInt4, DenseBf16, DenseF32, Int8Rotated
 from fornax.layers.native import (
     load_amx_bf16_matmul,
     load_bf16_matmul,
+    load_f32_matmul,
     load_int8_matmul,
     load_paged_attention,
     load_quant_matmul,
@@ -77,6 +78,19 @@ def test_dense_bf16_matmul() -> None:
     x = torch.randn(ROWS, 1536).bfloat16()
     y = _assert_row_invariant(DenseBf16(w, kernel), x)
     torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.02, rtol=0.01)
+
+
+def test_f32_matmul() -> None:
+    """Float32 output shows every difference in the order of sums (torch's own float32 linear
+    gave all 37 rows other bits alone than in the batch, here, with MKL)."""
+    kernel = load_f32_matmul()
+    if kernel is None:
+        pytest.skip("no AVX-512 on this CPU")
+    torch.manual_seed(3)
+    w = torch.randn(4098, 1536) / 40
+    x = torch.randn(ROWS, 1536)
+    y = _assert_row_invariant(DenseF32(w, kernel), x)
+    torch.testing.assert_close(y, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_int8_rotated_and_int4_matmuls() -> None:

@@ -58,21 +58,54 @@ def test_logits_match_transformers(llm, hf_model):
     assert (ours - ref).abs().max().item() < 1e-3
 
 
-def test_greedy_matches_transformers(llm, hf_model):
+@pytest.fixture(scope="module")
+def hf_greedy(llm, hf_model) -> list[list[int]]:
+    """transformers' greedy continuation (32 tokens) of each prompt."""
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    mismatches = []
-    for prompt, out in zip(prompts, outs):
+    refs = []
+    for prompt in (tok.encode(p) for p in PROMPTS):
         with torch.inference_mode():
-            ref = hf_model.generate(
+            out = hf_model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=32,
                 do_sample=False,
-            )[0, len(prompt) :].tolist()
-        if out.outputs[0].token_ids != ref:
-            mismatches.append((tok.decode(prompt), out.outputs[0].text, tok.decode(ref)))
-    assert not mismatches
+            )
+        refs.append(out[0, len(prompt) :].tolist())
+    return refs
+
+
+def _greedy_mismatches(llm: LLM, refs: list[list[int]]) -> list[tuple[str, str, str]]:
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    return [
+        (tok.decode(prompt), out.outputs[0].text, tok.decode(ref))
+        for prompt, out, ref in zip(prompts, outs, refs)
+        if out.outputs[0].token_ids != ref
+    ]
+
+
+def test_greedy_matches_transformers(llm, hf_greedy):
+    assert not _greedy_mismatches(llm, hf_greedy)
     llm.engine.check_integrity()
+
+
+def test_deterministic_fp32_matches_transformers_and_itself(default_gguf, hf_greedy):
+    """Deterministic mode in float32 (its own fixed-order kernels): the same greedy tokens as
+    transformers, and each prompt alone gives the bits it gives among the others."""
+    llm = LLM(
+        str(default_gguf), dtype="float32", deterministic=True, progress=False, kv_cache_memory="256MiB"
+    )
+    assert not _greedy_mismatches(llm, hf_greedy)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+
+    def key(out) -> tuple:
+        comp = out.outputs[0]
+        return tuple(comp.token_ids), tuple(lp.logprob for lp in comp.logprobs)
+
+    together = [key(o) for o in llm.generate(prompts, params)]
+    alone = [key(llm.generate([p], params)[0]) for p in prompts]
+    assert alone == together
