@@ -17,7 +17,7 @@ CONC=${CONC:-32}
 PORT=18602
 OUT=${OUT:-/tmp/fornax-serve-commits}
 PY=$PWD/.venv/bin/python
-FLAGS="--quantization auto --large-step-quantization w8a8"
+FLAGS=${FLAGS-"--quantization auto --large-step-quantization w8a8"}  # FLAGS="" for dense bf16
 mkdir -p "$OUT"
 declare -A TREE
 for rev in "$BASE" "$HEAD"; do
