@@ -476,6 +476,11 @@ class EngineConfig:
                 "deterministic mode keeps one weight form per layer for every step size; "
                 "lm_head_quantization adds a second one for small steps"
             )
+        if self.offload.dtype == "int8" and self.cache.kv_cache_dtype != "int8":
+            raise ConfigError(
+                "deterministic mode needs KV tiers that give back the bits they were given: an int8 "
+                "offload dtype over a bf16 cache would make a restored prefix differ from a recomputed one"
+            )
 
     @property
     def small_step_method(self) -> str | None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from fornax.config import SMALL_STEP_MAX_ROWS, SMALL_STEP_MAX_ROWS_W8A8, ConfigError, EngineConfig
+from fornax.config import (
+    SMALL_STEP_MAX_ROWS,
+    SMALL_STEP_MAX_ROWS_W8A8,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    OffloadConfig,
+)
 
 
 @pytest.mark.parametrize("value", ["int8", "int4", "auto", None])
@@ -66,3 +73,27 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_command_line():
     bf16 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16)
     int8 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "int8")
     assert bf16 == 2 * 3 * 64 * 2 * 16 * 30 and int8 == 2 * 3 * (64 + 4) * 16 * 30
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"dtype": "float16"}, "needs dtype 'bfloat16' or 'float32'"),
+        ({"kernel_backend": "torch"}, "kernel_backend 'native'"),
+        ({"lm_head_quantization": "int4"}, "one weight form per layer"),
+        ({"offload": OffloadConfig(host_memory=2**30, dtype="int8")}, "give back the bits"),
+    ],
+)
+def test_deterministic_mode_refuses_what_it_cannot_promise(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(deterministic=True, **settings)
+    EngineConfig(**settings)  # each is fine without it
+
+
+def test_deterministic_mode_takes_int8_tiers_over_an_int8_cache():
+    config = EngineConfig(
+        deterministic=True,
+        cache=CacheConfig(kv_cache_dtype="int8"),
+        offload=OffloadConfig(host_memory=2**30, dtype="int8"),
+    )
+    assert config.deterministic and EngineConfig(dtype="float32", deterministic=True).deterministic
