@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     memory = sub.add_parser("memory", help="load a model as the flags say; print its memory by owner")
     memory.add_argument("--json", action="store_true", help="print the breakdown as JSON")
     EngineArgs.add_cli_args(memory, "memory")
+    worker = sub.add_parser(
+        "worker", help="one rank of a tensor-parallel engine started elsewhere (--distributed-init)"
+    )
+    worker.add_argument("--rank", type=int, required=True, help="this process's rank, 1 .. size - 1")
+    EngineArgs.add_cli_args(worker, "worker")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_serve_args(serve)
     from fornax.cluster.cli import add_cluster_parser, add_replicas_arg
@@ -256,6 +261,21 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_worker(args: argparse.Namespace) -> None:
+    """Join the tensor-parallel group at --distributed-init as --rank, with the engine's flags
+    (the same model, dtype, forms and --tensor-parallel-size as rank 0), until it stops."""
+    from fornax.engine.tensor_parallel import run_worker
+
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    if config.distributed_init is None or config.tensor_parallel_size < 2:
+        raise SystemExit(
+            "fornax worker: give --distributed-init tcp://HOST:PORT and --tensor-parallel-size N >= 2"
+        )
+    if not 1 <= args.rank < config.tensor_parallel_size:
+        raise SystemExit(f"fornax worker: --rank must be in 1 .. {config.tensor_parallel_size - 1}")
+    run_worker(config, args.rank, config.distributed_init)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -346,7 +366,7 @@ def handler(command: str) -> Callable[[argparse.Namespace], int | None]:
         module, name = _HANDLER_MODULES[command]
         return getattr(importlib.import_module(module), name)
     commands = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "memory": cmd_memory}  # fmt: skip
+                "memory": cmd_memory, "worker": cmd_worker}  # fmt: skip
     return commands[command]
 
 

@@ -419,6 +419,13 @@ class EngineConfig:
     # keeps one weight form for every step size and every row attends through the paged-
     # attention kernel in parts of fixed size. Needs the native kernels, bfloat16 or float32.
     deterministic: bool = False
+    # Tensor parallelism (docs/tensor-parallel.md): this many ranks each hold a slice of every
+    # layer; the engine process is rank 0, workers are spawned here unless `distributed_init`
+    # (tcp://host:port) names a group whose other ranks `fornax worker` starts elsewhere.
+    # Every collective gives up after `distributed_timeout` seconds.
+    tensor_parallel_size: int = 1
+    distributed_init: str | None = None
+    distributed_timeout: float = 60.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
@@ -461,6 +468,23 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.deterministic:
             self._check_deterministic()
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What the tensor-parallel engine does not do yet, refused up front."""
+        spec = self.speculative
+        refused = {
+            "KV offload tiers": self.offload.enabled or self.offload.swap,
+            "deterministic mode": self.deterministic,
+            "quantization 'auto'": self.quantization == "auto",
+            "self-drafting": spec is not None and spec.method == "self",
+        }
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ConfigError(f"tensor parallelism does not support {', '.join(named)} yet")
 
     def _check_deterministic(self) -> None:
         """What deterministic mode cannot promise, refused at construction rather than broken

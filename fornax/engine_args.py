@@ -129,6 +129,23 @@ class EngineArgs:
         "engine compute threads (default: every CPU this process may use)",
         type=int,
     )
+    tensor_parallel_size: int = _arg(
+        _declared(EngineConfig, "tensor_parallel_size"),
+        "split every layer over this many processes (gloo; docs/tensor-parallel.md)",
+        group=ENGINE,
+        type=int,
+    )
+    distributed_init: str | None = _arg(
+        _declared(EngineConfig, "distributed_init"),
+        "tcp://host:port of a tensor-parallel group whose other ranks `fornax worker` starts",
+        group=ENGINE,
+    )
+    distributed_timeout: float = _arg(
+        _declared(EngineConfig, "distributed_timeout"),
+        "seconds any tensor-parallel collective may take before the engine fails",
+        group=ENGINE,
+        type=float,
+    )
     deterministic: bool = _arg(
         _declared(EngineConfig, "deterministic"),
         "batch-invariant numerics: a request's tokens and logprobs depend only on its own tokens "
@@ -304,6 +321,9 @@ class EngineArgs:
             kernel_backend=self.kernel_backend,
             num_threads=self.num_threads,
             deterministic=self.deterministic,
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_init=self.distributed_init,
+            distributed_timeout=self.distributed_timeout,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory=parse_kv_cache_memory(self.kv_cache_memory),

@@ -37,6 +37,7 @@ from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from fornax.engine.kv.offload.tiered import OffloadStats
+    from fornax.engine.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger("fornax.engine")
 
@@ -53,7 +54,13 @@ class _Sequence:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        tokenizer: Tokenizer,
+        tensor_parallel: TensorParallelGroup | None = None,
+    ) -> None:
         self.config, self.model_config, self.tokenizer = config, loaded.config, tokenizer
         dtype = DTYPES[config.dtype]
         cache = config.cache
@@ -72,14 +79,17 @@ class EngineCore:
         self.max_model_len = max_len
         self.runner = ModelRunner(
             loaded.model,
-            loaded.config,
+            loaded.local_config or loaded.config,
             num_blocks,
             cache.block_size,
             dtype,
             config.kernel_backend,
             cache.kv_cache_dtype,
             deterministic=config.deterministic,
+            tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None:
+            tensor_parallel.share_num_blocks(num_blocks)  # the workers allocate as many for their heads
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
             from fornax.engine.kv.offload.build import build_connector
@@ -469,7 +479,13 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     from fornax.models import load_model
 
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
-    torch.set_num_threads(config.num_threads or _usable_cpus())
+    world = config.tensor_parallel_size
+    torch.set_num_threads(config.num_threads or max(1, _usable_cpus() // world))
+    group = None
+    if world > 1:  # the workers load their slices while this process loads rank 0's
+        from fornax.engine.tensor_parallel import TensorParallelGroup
+
+        group = TensorParallelGroup(config)
     small_step = (config.small_step_method, config.small_step_max_rows)
     large_step = (config.large_step_quantization, config.large_step_min_rows)
     spec = config.speculative
@@ -482,6 +498,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
         kernel_backend=config.kernel_backend,
         lm_head_int4=config.lm_head_quantization == "int4",
         deterministic=config.deterministic,
+        shard=None if group is None else (0, world, group.all_reduce),
         # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )
@@ -495,7 +512,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
         assert loaded.resolved.hf_dir is not None
         tokenizer = Tokenizer.from_pretrained_dir(loaded.resolved.hf_dir)
     heap_after = malloc_stats()
-    core = EngineCore(config, loaded, tokenizer)
+    core = EngineCore(config, loaded, tokenizer, group)
     if heap_before is not None and heap_after is not None:  # the memory breakdown's tokenizer line
         core.tokenizer_bytes = max(0, heap_after.in_use - heap_before.in_use)
     # What loading left (modules, weights' wrappers, the vocabulary) lives as long as the engine;

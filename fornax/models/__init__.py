@@ -19,6 +19,7 @@ from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
+from fornax.models.tensor_parallel import AllReduce, install_all_reduce, plan_shards, shard_tensors
 
 # HF architecture name -> implementation. The Llama family shares one implementation
 # whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
@@ -42,13 +43,16 @@ class LoadedModel:
     config: ModelConfig
     resolved: ResolvedModel
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
+    # A tensor-parallel rank's slice (models/tensor_parallel.py): the sizes its layers and KV
+    # pools have; None in a single process. `config` stays the whole model's.
+    local_config: ModelConfig | None = None
 
     def kv_cache_bytes_per_block(
         self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     ) -> int:
         """What one paged KV-cache block of `block_size` tokens takes, over every layer: what
         the engine sizes its cache by."""
-        return KVCache.bytes_per_block(self.config, block_size, dtype, kv_cache_dtype)
+        return KVCache.bytes_per_block(self.local_config or self.config, block_size, dtype, kv_cache_dtype)
 
 
 def load_weights(
@@ -70,6 +74,7 @@ def load_model(
     keep_dense_weights: bool = False,
     lm_head_int4: bool = False,
     deterministic: bool = False,
+    shard: tuple[int, int, AllReduce] | None = None,
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
     small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
@@ -79,7 +84,9 @@ def load_model(
     None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
     steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
     deterministic: each Linear then keeps one of those forms for every step (Linear.use_one_form);
-    ModelLoadError where no batch-invariant form runs on this CPU.
+    ModelLoadError where no batch-invariant form runs on this CPU. shard: (rank, world,
+    all_reduce): only this rank's slice of each layer (models/tensor_parallel.py), its
+    row-parallel outputs completed by all_reduce; the forms are then built per slice.
 
     Each weight is then held only in the forms some step reads (docs/memory.md): a Linear's
     dense weight goes when its forms cover every row count (keep_dense_weights keeps it, for
@@ -90,11 +97,21 @@ def load_model(
     auto = small_step is not None and small_step[0] == "auto"
     weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto)
     cls = ARCHITECTURES[weights.config.architecture]
+    model_config = weights.config
+    if shard is not None:
+        if auto:
+            raise ModelLoadError(
+                "tensor parallelism builds each slice's forms from its own weights: use --quantization "
+                "int4 or int8, not auto (the file's blocks are not sliced yet)"
+            )
+        plan = plan_shards(weights.config, shard[1])[shard[0]]
+        weights.tensors = shard_tensors(weights.tensors, weights.config, plan)
+        model_config = plan.local_config(weights.config)
     # Built straight on the CPU: the modules allocate their weights with torch.empty (no
     # initialisation to overwrite). Not on the meta device: materialising meta tensors goes
     # through torch's Python reference ops, which import sympy and torch.fx (~30 MiB held for
     # the process's life, docs/memory.md).
-    model = cls(weights.config, torch_dtype)
+    model = cls(model_config, torch_dtype)
     with torch.no_grad():
         model.load_weights(weights.tensors)
     model.eval()
@@ -131,11 +148,16 @@ def load_model(
     if not keep_dense_weights:
         for linear in linears:
             linear.release_dense_weight()
+    if shard is not None:
+        install_all_reduce(model, shard[2])
     embedding_from_file(model, weights)
     weights.tensors.clear()  # the model holds what it needs; the rest goes before packing
     weights_on_huge_pages(model)
     release_free_heap()  # loading's float32 intermediates, freed but still held by malloc
-    return LoadedModel(model=model, config=weights.config, resolved=resolved, metadata=weights.metadata)
+    local = model_config if shard is not None else None
+    return LoadedModel(
+        model=model, config=weights.config, resolved=resolved, metadata=weights.metadata, local_config=local
+    )
 
 
 # The LM head's int4 form (lm_head_int4) serves steps of at most this many rows: Gemma 3's

@@ -24,9 +24,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fornax.config import ModelConfig
@@ -154,11 +157,22 @@ def build_shard(
     return model
 
 
-def gloo_all_reduce(group: object | None = None) -> AllReduce:
-    """A sum over the default (or given) torch.distributed group."""
-    import torch.distributed as dist
+def connect_gloo_group(init_method: str, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of its own, met at `init_method` (tcp://host:port; rank 0 listens there), not
+    torch.distributed's default group: several engines may live in one process. Every
+    collective on it gives up after `timeout_s` seconds."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"distributed init must be tcp://host:port, got {init_method!r}")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)  # it keeps the store alive
+
+
+def gloo_all_reduce(group: dist.ProcessGroup) -> AllReduce:
+    """A sum over `group`, in place."""
 
     def all_reduce(t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        group.allreduce(t).wait()
 
     return all_reduce

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,19 @@ from fornax.layers.ops import layer_ops
 from fornax.models import ARCHITECTURES, load_weights
 from fornax.models.llama import KVCache
 from fornax.models.registry import resolve_model
-from fornax.models.tensor_parallel import build_shard, gloo_all_reduce, plan_shards
+from fornax.models.tensor_parallel import build_shard, connect_gloo_group, gloo_all_reduce, plan_shards
 from tests.model.tiny_models import build_tiny_model
 
 PROMPT = [5, 17, 99, 200, 31, 7, 3, 3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 BLOCK = 16
 
 
-def _logits(source: str, world: int, rank: int) -> torch.Tensor:
+def _logits(source: str, world: int, rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The prompt's logits through rank `rank`'s shard (world 1: the whole model)."""
     weights = load_weights(resolve_model(source), torch.float32, progress=False)
     config = weights.config
     plan = plan_shards(config, world)[rank]
-    reduce = gloo_all_reduce() if world > 1 else (lambda t: None)
+    reduce = gloo_all_reduce(group) if group is not None else (lambda t: None)
     model = build_shard(
         ARCHITECTURES[config.architecture], config, weights.tensors, plan, torch.float32, reduce
     )
@@ -56,18 +55,9 @@ def _logits(source: str, world: int, rank: int) -> torch.Tensor:
 
 def _rank_main(rank: int, world: int, port: int, sources: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)  # one thread per rank: the ranks share this machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        for i, source in enumerate(sources):
-            torch.save(_logits(source, world, rank), os.path.join(out_dir, f"{i}.rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    group = connect_gloo_group(f"tcp://127.0.0.1:{port}", rank, world, 120)
+    for i, source in enumerate(sources):
+        torch.save(_logits(source, world, rank, group), os.path.join(out_dir, f"{i}.rank{rank}.pt"))
 
 
 def _free_port() -> int:

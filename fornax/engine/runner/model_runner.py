@@ -6,6 +6,8 @@ indices, masks) is built here once, in bulk; the layers only index with it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -23,6 +25,9 @@ from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.models.native_step import NativeStep
 
+if TYPE_CHECKING:
+    from fornax.engine.tensor_parallel import TensorParallelGroup
+
 
 class ModelRunner:
     def __init__(
@@ -35,6 +40,7 @@ class ModelRunner:
         kernel_backend: str = "native",
         kv_cache_dtype: str = "auto",
         deterministic: bool = False,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.deterministic = deterministic
@@ -47,7 +53,10 @@ class ModelRunner:
             )
         model.use_ops(layer_ops(kernel_backend, dtype))
         # Small steps in one native call where the model's forms allow (models/native_step.py).
-        self.native_step = NativeStep.build(model, self.kv_cache) if kernel_backend == "native" else None
+        # (not under tensor parallelism: the one native call would skip the layers' all-reduces)
+        native = kernel_backend == "native" and tensor_parallel is None
+        self.native_step = NativeStep.build(model, self.kv_cache) if native else None
+        self.tensor_parallel = tensor_parallel  # rank 0's side of the group: the per-step broadcast
         self.sampler = Sampler()
         self.masks = MaskWorker(config.vocab_size)  # constrained decoding (engine/structured)
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
@@ -78,6 +87,8 @@ class ModelRunner:
             deterministic=self.deterministic,
         )
         pending_masks = self.masks.start(items)  # filled while the forward runs
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(input_ids, positions, spans)
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
             hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
         else:

@@ -1,0 +1,153 @@
+"""Tensor parallelism, the engine half: the engine process is rank 0 of a torch.distributed
+group (gloo) and runs the scheduler, the KV bookkeeping, sampling and its own slice of the model;
+ranks 1..N-1 are worker processes that hold the other slices (models/tensor_parallel.py) and
+their KV pools, and run every step in lockstep.
+
+Per step, rank 0 broadcasts what a step is (token ids, positions, each sequence's start,
+length and block table) as a few tensors behind a fixed-size header: no pickled Python objects.
+Each worker builds the same attention metadata from them and runs its slice; the all-reduces
+inside the layers pair the ranks' forwards. The LM head is replicated, so logits and sampling
+stay in the engine process and nothing comes back per step.
+
+Every collective has the group's timeout: a worker that dies makes rank 0's next broadcast or
+all-reduce fail (or time out), which the engine loop turns into failed requests, /health 503
+and an exit (docs/reliability.md), never a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from fornax.config import EngineConfig
+from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.native import load_paged_attention
+from fornax.layers.ops import layer_ops
+from fornax.models import DTYPES, load_model
+from fornax.models.llama import KVCache
+from fornax.models.tensor_parallel import AllReduce, connect_gloo_group, gloo_all_reduce
+
+logger = logging.getLogger("fornax.engine")
+
+STEP, STOP = 0, 1  # header kinds
+HEADER = 4  # [kind, tokens, sequences, widest block table]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _threads_per_rank(config: EngineConfig) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return config.num_threads or max(1, cpus // config.tensor_parallel_size)
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the worker processes, the group, and the per-step broadcast."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.world = config.tensor_parallel_size
+        init = config.distributed_init or f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.workers = []
+        if config.distributed_init is None:  # workers on this machine; else `fornax worker` elsewhere
+            for rank in range(1, self.world):
+                proc = ctx.Process(
+                    target=run_worker, args=(config, rank, init), name=f"fornax-tp-{rank}", daemon=True
+                )
+                proc.start()
+                self.workers.append(proc)
+        self.group = connect_gloo_group(init, 0, self.world, config.distributed_timeout)
+        self.all_reduce: AllReduce = gloo_all_reduce(self.group)
+        self.closed = False
+        atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
+
+    def share_num_blocks(self, num_blocks: int) -> None:
+        """Rank 0 sized the KV cache; every rank allocates that many blocks for its own heads."""
+        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64), 0).wait()
+
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
+        """What the workers need to run this step's forward with rank 0."""
+        width = max(len(s.block_ids) for s in spans)
+        tables = torch.full((len(spans), width), -1, dtype=torch.int32)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        shape = torch.tensor([[s.start, s.num_new] for s in spans], dtype=torch.int64)
+        header = torch.tensor([STEP, len(input_ids), len(spans), width], dtype=torch.int64)
+        for t in (header, input_ids.to(torch.int64), positions.to(torch.int64), shape, tables):
+            self.group.broadcast(t.contiguous(), 0).wait()
+
+    def close(self) -> None:
+        """Tell the workers to exit and wait for them (a no-op after the first call)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.group.broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), 0).wait()
+        except RuntimeError as exc:  # a worker already gone: nothing to tell it
+            logger.warning("tensor parallel: stopping the workers: %s", exc)
+        for proc in self.workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def _receive_step(group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
+    header = torch.empty(HEADER, dtype=torch.int64)
+    group.broadcast(header, 0).wait()
+    kind, tokens, seqs, width = (int(x) for x in header)
+    if kind == STOP:
+        return None
+    input_ids, positions = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
+    shape, tables = torch.empty(seqs, 2, dtype=torch.int64), torch.empty(seqs, width, dtype=torch.int32)
+    for t in (input_ids, positions, shape, tables):
+        group.broadcast(t, 0).wait()
+    spans = []
+    for (start, num_new), row in zip(shape.tolist(), tables.tolist()):
+        spans.append(SeqSpan(start, num_new, [b for b in row if b >= 0]))
+    return input_ids, positions, spans
+
+
+def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A worker rank: its slice of the model and of the KV pools, then steps until told to stop.
+    Also what `fornax worker` runs on another machine."""
+    torch.set_num_threads(_threads_per_rank(config))
+    group = connect_gloo_group(init_method, rank, config.tensor_parallel_size, config.distributed_timeout)
+    try:
+        num_blocks = torch.empty(1, dtype=torch.int64)
+        dtype = DTYPES[config.dtype]
+        loaded = load_model(
+            config.model,
+            config.dtype,
+            progress=False,
+            small_step=(config.small_step_method, config.small_step_max_rows),
+            large_step=(config.large_step_quantization, config.large_step_min_rows),
+            kernel_backend=config.kernel_backend,
+            shard=(rank, config.tensor_parallel_size, gloo_all_reduce(group)),
+        )
+        group.broadcast(num_blocks, 0).wait()  # rank 0 sizes the cache; every rank holds as many blocks
+        local = loaded.local_config or loaded.config
+        cache = config.cache
+        kv = KVCache(local, int(num_blocks), cache.block_size, dtype, cache.kv_cache_dtype)
+        model = loaded.model
+        kernel = load_paged_attention() if config.kernel_backend == "native" else None
+        kernel = kernel if kernel is not None and kernel.supports(dtype) else None
+        model.use_ops(layer_ops(config.kernel_backend, dtype))
+        while (step := _receive_step(group)) is not None:
+            input_ids, positions, spans = step
+            meta = build_attention_metadata(
+                spans, cache.block_size, local.sliding_window, kernel, local.interleaves_sliding_window
+            )
+            with torch.inference_mode():
+                model(input_ids, positions, kv, meta)
+    except RuntimeError as exc:  # rank 0 gone or a collective timed out: exit, do not linger
+        logger.error("tensor parallel worker %d: %s", rank, exc)
+        raise SystemExit(1) from exc

@@ -1,0 +1,103 @@
+"""The tensor-parallel engine (fornax/engine/tensor_parallel.py): LLM(tensor_parallel_size=2)
+runs the default model over two processes and gives the single process's greedy tokens, with
+logprobs within 1e-4, in float32, through prefix-cache hits, chunked prefill, preemption and
+n-gram speculation; a worker that dies fails the engine with an error, not a hang."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fornax import LLM, SamplingParams
+from fornax.config import ConfigError
+from tests.engine import PARAGRAPHS
+
+pytestmark = pytest.mark.slow
+
+# Small chunks and a small cache: prompts are prefilled in pieces beside decodes, and the
+# cache runs out, so sequences are preempted and recomputed.
+CONFIG = {
+    "dtype": "float32",
+    "max_num_batched_tokens": 48,
+    "long_prefill_token_threshold": 48,
+    "num_blocks": 24,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
+}
+
+
+def _prompts() -> list[str]:
+    return [f"Repeat after me: {p[:160]}" for p in PARAGRAPHS[:6]] + ["Explain why the sky is blue."] * 2
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    outs = llm.generate(_prompts(), params)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_two_ranks_match_one_process(default_gguf):
+    single = LLM(str(default_gguf), progress=False, **CONFIG)
+    want = [_generate(single), _generate(single)]  # the second time from the prefix cache
+    del single
+    tp = LLM(str(default_gguf), progress=False, tensor_parallel_size=2, **CONFIG)
+    got = [_generate(tp), _generate(tp)]
+    stats = tp.engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_num_accepted_tokens_total > 0
+    for run_got, run_want in zip(got, want):
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run_got, run_want):
+            assert tokens == want_tokens
+            assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+    tp.engine.check_integrity()
+
+
+def test_a_dead_worker_fails_the_engine(default_gguf):
+    llm = LLM(
+        str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=20
+    )
+    (worker,) = llm.engine.runner.tensor_parallel.workers
+    worker.kill()
+    worker.join()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        llm.generate(["Hello"], SamplingParams(max_tokens=4))
+    assert time.monotonic() - start < 30
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ConfigError, match="quantization 'auto'"):
+        LLM(tensor_parallel_size=2, quantization="auto")
+
+
+def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
+    """The multi-machine form, on loopback: rank 1 is `fornax worker` started on its own, and the
+    engine (rank 0) meets it at --distributed-init instead of spawning it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    flags = ["--model", str(default_gguf), "--dtype", "float32", "--tensor-parallel-size", "2"]
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "fornax.cli", "worker", "--rank", "1", "--distributed-init", init, *flags],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        llm = LLM(
+            str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_init=init
+        )
+        assert llm.engine.runner.tensor_parallel.workers == []  # none spawned here
+        got = llm.generate(_prompts()[:3], SamplingParams(max_tokens=12, temperature=0.0))
+        single = LLM(str(default_gguf), dtype="float32", progress=False)
+        want = single.generate(_prompts()[:3], SamplingParams(max_tokens=12, temperature=0.0))
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        llm.engine.runner.tensor_parallel.close()
+        assert worker.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
