@@ -6,13 +6,13 @@ never `playwright install`). Screenshots of each stage go to docs/ui/ (one is in
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -355,17 +355,17 @@ def test_deterministic_server(make_server, browser):
 
     alone = logprobs(httpx.post(server.url + "/v1/chat/completions", timeout=120, json=body))
 
-    async def crowd() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            others = [
-                {"messages": [{"role": "user", "content": f"Count to {n} in words."}], "max_tokens": 20 + n}
-                for n in range(8)
-            ]
-            calls = [client.post(server.url + "/v1/chat/completions", json=o) for o in others]
-            calls.insert(3, client.post(server.url + "/v1/chat/completions", json=body))
-            return await asyncio.gather(*calls)
-
-    assert logprobs(asyncio.run(crowd())[3]) == alone
+    others = [
+        {"messages": [{"role": "user", "content": f"Count to {n} in words."}], "max_tokens": 20 + n}
+        for n in range(8)
+    ]
+    bodies = [*others[:3], body, *others[3:]]
+    # threads, not asyncio: the browser fixture's event loop runs in this thread
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(
+            pool.map(lambda b: httpx.post(server.url + "/v1/chat/completions", timeout=120, json=b), bodies)
+        )
+    assert logprobs(responses[3]) == alone
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert models[0]["deterministic"] is True
     page = browser.new_page()
