@@ -25,3 +25,16 @@ def gemma3_gguf() -> Path:
     from fornax.models.registry import resolve_model
 
     return resolve_model("gemma3-270m").gguf_path
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Building an engine sets torch's process-wide thread count (a tensor-parallel rank takes
+    its share of the cores, `num_threads=1` one): put it back after each test, so that no test
+    leaves the rest of the suite on fewer threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

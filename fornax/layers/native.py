@@ -456,78 +456,51 @@ class QuantMatmul:
         return out
 
 
-class Bf16Matmul:
-    """ctypes wrapper of kernels/bf16_matmul.c: y = x W^T for a bf16 Linear's own weight, for
-    steps of a few rows. Only loaded where the CPU has AVX-512 BF16."""
+class _DenseMatmul:
+    """ctypes wrapper of a dense kernel y = x W^T over a Linear's own weight [N, K]: the entry
+    point `symbol` for activations and weights of `dtype` (subclasses name both)."""
+
+    symbol: str
+    dtype: torch.dtype
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i = ctypes.c_void_p, ctypes.c_int
-        self._fn = lib.bf16_matmul_bf16
+        self._fn = getattr(lib, self.symbol)
         self._fn.restype, self._fn.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i, p, i]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """y [T, N] = x W^T; x: [T, K] bf16 (any row stride), weight: [N, K] bf16 contiguous."""
+        """y [T, N] = x W^T; x: [T, K] (any row stride), weight: [N, K] contiguous, both `dtype`."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         n, k = weight.shape
         if (
-            x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16
+            x.dtype != self.dtype
+            or weight.dtype != self.dtype
             or x.shape[1] != k
             or not weight.is_contiguous()
         ):
-            raise ValueError("bf16 matmul: x [T, K] and a contiguous weight [N, K], both bfloat16")
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+            raise ValueError(f"{self.symbol}: x [T, K] and a contiguous weight [N, K], both {self.dtype}")
+        out = torch.empty((x.shape[0], n), dtype=self.dtype)
         status = self._fn(
-            x.data_ptr(),
-            x.stride(0),
-            x.shape[0],
-            k,
-            weight.data_ptr(),
-            n,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
+            x.data_ptr(), x.stride(0), x.shape[0], k, weight.data_ptr(), n, out.data_ptr(), torch.get_num_threads()
+        )  # fmt: skip
         if status:
-            raise RuntimeError(f"bf16 matmul kernel failed (status {status})")
+            raise RuntimeError(f"{self.symbol} kernel failed (status {status})")
         return out
 
 
-class F32Matmul:
-    """ctypes wrapper of kernels/f32_matmul.c: y = x W^T in float32 with a fixed order of
-    additions per output (deterministic mode's float32 layers)."""
+class Bf16Matmul(_DenseMatmul):
+    """kernels/bf16_matmul.c: y = x W^T for a bf16 Linear's own weight, for steps of a few rows.
+    Only loaded where the CPU has AVX-512 BF16."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self._fn = lib.f32_matmul_f32
-        self._fn.restype, self._fn.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i, p, i]
+    symbol, dtype = "bf16_matmul_bf16", torch.bfloat16
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """y [T, N] = x W^T; x: [T, K] float32 (any row stride), weight: [N, K] float32 contiguous."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        n, k = weight.shape
-        if (
-            x.dtype != torch.float32
-            or weight.dtype != torch.float32
-            or x.shape[1] != k
-            or not weight.is_contiguous()
-        ):
-            raise ValueError("float32 matmul: x [T, K] and a contiguous weight [N, K], both float32")
-        out = torch.empty((x.shape[0], n), dtype=torch.float32)
-        status = self._fn(
-            x.data_ptr(),
-            x.stride(0),
-            x.shape[0],
-            k,
-            weight.data_ptr(),
-            n,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status:
-            raise RuntimeError(f"float32 matmul kernel failed (status {status})")
-        return out
+
+class F32Matmul(_DenseMatmul):
+    """kernels/f32_matmul.c: y = x W^T in float32 with a fixed order of additions per output
+    (deterministic mode's float32 layers)."""
+
+    symbol, dtype = "f32_matmul_f32", torch.float32
 
 
 class AmxBf16Matmul:

@@ -46,6 +46,17 @@ class _Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+# Open-ended chat prompts (nothing in them to copy from: speculation's hard case).
+OPEN = [
+    "Write a short poem about the sea.",
+    "What are three good habits for programmers?",
+    "Explain why the sky is blue.",
+    "Tell me a story about a brave mouse.",
+    "How do I make a cup of tea?",
+    "Give me a name for a pet turtle and explain it.",
+]
+
+
 def corpus_ids(tokenizer: _Encoder) -> list[int]:
     """The paragraphs as one token stream."""
     return tokenizer.encode(" ".join(PARAGRAPHS))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fornax import LLM, SamplingParams
-from tests.engine import PARAGRAPHS
+from tests.engine import OPEN, PARAGRAPHS
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +28,9 @@ FORMS = {
     "bf16": {},
     "make-run": {"quantization": "auto", "large_step_quantization": "w8a8"},
 }
-OPEN = [
-    "Write a short poem about the sea.",
-    "What are three good habits for programmers?",
-    "Explain why the sky is blue.",
-    "Tell me a story about a brave mouse.",
-    "How do I make a cup of tea?",
-    "Give me a name for a pet turtle and explain it.",
-    "List four uses of copper.",
-    "Why do owls hunt at night?",
-]
-MAX_TOKENS = 10
+# 8 open-ended prompts beside the 8 grounded ones
+OPEN_PROMPTS = [*OPEN, "List four uses of copper.", "Why do owls hunt at night?"]
+MAX_TOKENS = 8
 # n-gram drafts on every step, whatever the planner would choose (it may decline at 32 requests).
 NGRAM_ALWAYS = {
     "method": "ngram",
@@ -58,7 +50,7 @@ def _sampled(i: int) -> SamplingParams:
 def _prompts(llm: LLM) -> list[list[int]]:
     tok = llm.get_tokenizer()
     system = "You are a careful assistant. Background notes: " + " ".join(PARAGRAPHS[8:10]) * 2
-    texts = [f"Repeat after me: {p[:200]}" for p in PARAGRAPHS[:8]] + OPEN
+    texts = [f"Repeat after me: {p[:200]}" for p in PARAGRAPHS[:8]] + OPEN_PROMPTS
     return [
         tok.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": t}],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from fornax import LLM, SamplingParams
-from tests.engine import PARAGRAPHS
+from tests.engine import OPEN, PARAGRAPHS
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +20,6 @@ TASKS = [
     "Rewrite this passage in the present tense: {p}",
     "Summarize this passage in two sentences: {p}",
     "Fix any typos in this text and return it: {p}",
-]
-OPEN = [
-    "Write a short poem about the sea.",
-    "What are three good habits for programmers?",
-    "Explain why the sky is blue.",
-    "Tell me a story about a brave mouse.",
-    "How do I make a cup of tea?",
-    "Give me a name for a pet turtle and explain it.",
 ]
 CODE = "Rename the variable x to total in this code:\ndef add(a, b):\n    x = a + b\n    return x\n"
 

@@ -34,7 +34,7 @@ def _prompts() -> list[str]:
 
 
 def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
     outs = llm.generate(_prompts(), params)
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
@@ -107,9 +107,9 @@ def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
 # noise between TP=1 and TP=2 (partial sums added in another order) can move a value across a
 # rounding boundary and flip a near-tie. A difference is accepted only at the first differing
 # token, where TP=1's top two candidates are within `near_tie` and TP=2 took the other one.
-# The int4 bound is what batch composition alone does in one process: the same 8 prompts alone
-# against together flipped at top-two gaps of 0.005 and 0.138 (2026-12-06).
-@pytest.mark.parametrize(("quantization", "near_tie", "max_flips"), [("int8", 0.05, 1), ("int4", 0.15, 4)])
+# int4 is checked the same way by hand only, to keep the suite's time (docs/tensor-parallel.md:
+# it flips more, at gaps up to 0.138, as batch composition alone does in one process).
+@pytest.mark.parametrize(("quantization", "near_tie", "max_flips"), [("int8", 0.05, 1)])
 def test_quantized_forms_per_slice(default_gguf, quantization, near_tie, max_flips):
     """int8 / int4 weight forms built per rank from its slice (rows of column-parallel layers,
     whole 32-value blocks of row-parallel ones), float32 activations: TP=2 gives TP=1's tokens

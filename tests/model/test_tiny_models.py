@@ -56,19 +56,24 @@ def test_logits_match_transformers(tiny):
     assert (ours - ref).abs().max().item() < 1e-3
 
 
+def _hf_greedy(hf, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of 32 tokens."""
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt)),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def test_greedy_matches_transformers(tiny):
     arch, hf, llm = tiny
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)  # batched together through the engine
     for prompt, out in zip(PROMPTS, outs):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=32,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt)),
-            )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref, f"{arch}: prompt {prompt[:5]}..."
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt), f"{arch}: prompt {prompt[:5]}..."
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_usage == 0.0
 
@@ -97,13 +102,6 @@ def test_deterministic_mode_matches_transformers(tiny):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1)
     together = det.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, together):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=32,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt)),
-            )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref, f"{arch}: prompt {prompt[:5]}..."
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt), f"{arch}: prompt {prompt[:5]}..."
         alone = det.generate([prompt], params)[0].outputs[0]
         assert [lp.logprob for lp in alone.logprobs] == [lp.logprob for lp in out.outputs[0].logprobs], arch
