@@ -25,7 +25,14 @@ CONFIG = {
     "max_num_batched_tokens": 48,
     "long_prefill_token_threshold": 48,
     "num_blocks": 24,
-    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0},
+    # drafts on every step: the planner would decide by timed step costs, which vary by run
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 0,
+        "row_cost": 0.0,
+        "draft_cost": 0.0,
+    },
 }
 
 
