@@ -506,6 +506,14 @@ class EngineConfig:
                 "offload dtype over a bf16 cache would make a restored prefix differ from a recomputed one"
             )
 
+    def threads_per_process(self) -> int:
+        """Compute threads of each engine process: num_threads, else the CPUs this process may
+        run on (its affinity mask where the OS has one), shared among the tensor-parallel ranks."""
+        if self.num_threads is not None:
+            return self.num_threads
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cpus // self.tensor_parallel_size)
+
     @property
     def small_step_method(self) -> str | None:
         """Kernel for small steps, or None when the dense weights serve every step."""

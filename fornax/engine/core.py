@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -467,40 +466,20 @@ def _spec_timings(req: Request) -> dict[str, float]:
     }
 
 
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore:
     """Resolve and load the model and its tokenizer, then size the cache and build the core."""
-    from fornax.models import load_model
+    from fornax.models import load_engine_model
 
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
     world = config.tensor_parallel_size
-    torch.set_num_threads(config.num_threads or max(1, _usable_cpus() // world))
+    torch.set_num_threads(config.threads_per_process())
     group = None
     if world > 1:  # the workers load their slices while this process loads rank 0's
         from fornax.engine.tensor_parallel import TensorParallelGroup
 
         group = TensorParallelGroup(config)
-    small_step = (config.small_step_method, config.small_step_max_rows)
-    large_step = (config.large_step_quantization, config.large_step_min_rows)
-    spec = config.speculative
-    loaded = load_model(
-        config.model,
-        config.dtype,
-        progress=progress,
-        small_step=small_step,
-        large_step=large_step,
-        kernel_backend=config.kernel_backend,
-        lm_head_int4=config.lm_head_quantization == "int4",
-        deterministic=config.deterministic,
-        shard=None if group is None else (0, world, group.all_reduce),
-        # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
-        keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
+    loaded = load_engine_model(
+        config, progress, shard=None if group is None else (0, world, group.all_reduce)
     )
     heap_before = malloc_stats()
     if loaded.resolved.gguf_path is not None:

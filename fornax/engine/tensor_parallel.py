@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
-import os
 import socket
 
 import torch
@@ -29,7 +28,7 @@ from fornax.config import EngineConfig
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
-from fornax.models import DTYPES, load_model
+from fornax.models import DTYPES, load_engine_model
 from fornax.models.llama import KVCache
 from fornax.models.tensor_parallel import AllReduce, connect_gloo_group, gloo_all_reduce
 
@@ -43,11 +42,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _threads_per_rank(config: EngineConfig) -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return config.num_threads or max(1, cpus // config.tensor_parallel_size)
 
 
 class TensorParallelGroup:
@@ -119,19 +113,13 @@ def _receive_step(group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor,
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     """A worker rank: its slice of the model and of the KV pools, then steps until told to stop.
     Also what `fornax worker` runs on another machine."""
-    torch.set_num_threads(_threads_per_rank(config))
+    torch.set_num_threads(config.threads_per_process())
     group = connect_gloo_group(init_method, rank, config.tensor_parallel_size, config.distributed_timeout)
     try:
         num_blocks = torch.empty(1, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
-        loaded = load_model(
-            config.model,
-            config.dtype,
-            progress=False,
-            small_step=(config.small_step_method, config.small_step_max_rows),
-            large_step=(config.large_step_quantization, config.large_step_min_rows),
-            kernel_backend=config.kernel_backend,
-            shard=(rank, config.tensor_parallel_size, gloo_all_reduce(group)),
+        loaded = load_engine_model(
+            config, progress=False, shard=(rank, config.tensor_parallel_size, gloo_all_reduce(group))
         )
         group.broadcast(num_blocks, 0).wait()  # rank 0 sizes the cache; every rank holds as many blocks
         local = loaded.local_config or loaded.config

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fornax.config import ModelConfig
+from fornax.config import EngineConfig, ModelConfig
 from fornax.layers import hugepages
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
@@ -157,6 +157,27 @@ def load_model(
     local = model_config if shard is not None else None
     return LoadedModel(
         model=model, config=weights.config, resolved=resolved, metadata=weights.metadata, local_config=local
+    )
+
+
+def load_engine_model(
+    config: EngineConfig, progress: bool = True, shard: tuple[int, int, AllReduce] | None = None
+) -> LoadedModel:
+    """load_model as an engine's config asks: its weight forms, kernels and mode, and (shard)
+    one tensor-parallel rank's slice. The engine process and its worker ranks both load this way."""
+    spec = config.speculative
+    return load_model(
+        config.model,
+        config.dtype,
+        progress=progress,
+        small_step=(config.small_step_method, config.small_step_max_rows),
+        large_step=(config.large_step_quantization, config.large_step_min_rows),
+        kernel_backend=config.kernel_backend,
+        lm_head_int4=config.lm_head_quantization == "int4",
+        deterministic=config.deterministic,
+        shard=shard,
+        # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
+        keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )
 
 
