@@ -479,7 +479,6 @@ class EngineConfig:
         refused = {
             "KV offload tiers": self.offload.enabled or self.offload.swap,
             "deterministic mode": self.deterministic,
-            "quantization 'auto'": self.quantization == "auto",
             "self-drafting": spec is not None and spec.method == "self",
         }
         named = [name for name, on in refused.items() if on]

@@ -20,6 +20,8 @@ import atexit
 import logging
 import multiprocessing as mp
 import socket
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,9 @@ def _free_port() -> int:
 class TensorParallelGroup:
     """Rank 0's side: the worker processes, the group, and the per-step broadcast."""
 
+    # What a spawned worker process runs, when not run_worker (a test gives one that fails).
+    worker_main: Callable[[EngineConfig, int, str], None] | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
         init = config.distributed_init or f"tcp://127.0.0.1:{_free_port()}"
@@ -55,14 +60,42 @@ class TensorParallelGroup:
         if config.distributed_init is None:  # workers on this machine; else `fornax worker` elsewhere
             for rank in range(1, self.world):
                 proc = ctx.Process(
-                    target=run_worker, args=(config, rank, init), name=f"fornax-tp-{rank}", daemon=True
+                    target=self.worker_main or run_worker,
+                    args=(config, rank, init),
+                    name=f"fornax-tp-{rank}",
+                    daemon=True,
                 )
                 proc.start()
                 self.workers.append(proc)
-        self.group = connect_gloo_group(init, 0, self.world, config.distributed_timeout)
+        self.group = self._connect(init, config.distributed_timeout)
         self.all_reduce: AllReduce = gloo_all_reduce(self.group)
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
+
+    def _connect(self, init: str, timeout_s: float) -> dist.ProcessGroup:
+        """Meet the workers at `init`. A spawned worker that exits before it joins (an import
+        or start-up failure) fails this at once rather than after the store's timeout."""
+        result: dict[str, object] = {}
+
+        def connect() -> None:
+            try:
+                result["group"] = connect_gloo_group(init, 0, self.world, timeout_s)
+            except Exception as exc:  # handed to the waiting thread below
+                result["error"] = exc
+
+        thread = threading.Thread(target=connect, name="fornax-tp-connect", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            gone = [p for p in self.workers if p.exitcode is not None]
+            if gone and thread.is_alive():  # the thread waits out its timeout on its own
+                raise RuntimeError(
+                    f"tensor parallel worker {gone[0].name} exited with code {gone[0].exitcode} "
+                    "before joining the group"
+                )
+        if "error" in result:
+            raise result["error"]  # type: ignore[misc]
+        return result["group"]  # type: ignore[return-value]
 
     def share_num_blocks(self, num_blocks: int) -> None:
         """Rank 0 sized the KV cache; every rank allocates that many blocks for its own heads."""

@@ -17,9 +17,9 @@ from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Li
 from fornax.layers.memory import release_free_heap
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
-from fornax.models.loader import LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
+from fornax.models.loader import CutsFor, LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
-from fornax.models.tensor_parallel import AllReduce, install_all_reduce, plan_shards, shard_tensors
+from fornax.models.tensor_parallel import AllReduce, Cut, install_all_reduce, plan_shards, shard_cuts
 
 # HF architecture name -> implementation. The Llama family shares one implementation
 # whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
@@ -56,12 +56,16 @@ class LoadedModel:
 
 
 def load_weights(
-    resolved: ResolvedModel, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False
+    resolved: ResolvedModel,
+    dtype: torch.dtype,
+    progress: bool = True,
+    keep_int4_blocks: bool = False,
+    cuts_for: CutsFor | None = None,
 ) -> LoadedWeights:
     if resolved.gguf_path is not None:
-        return load_gguf(resolved.gguf_path, dtype, progress, keep_int4_blocks)
+        return load_gguf(resolved.gguf_path, dtype, progress, keep_int4_blocks, cuts_for)
     assert resolved.hf_dir is not None
-    return load_hf_dir(resolved.hf_dir, dtype, progress)
+    return load_hf_dir(resolved.hf_dir, dtype, progress, cuts_for)
 
 
 def load_model(
@@ -95,18 +99,17 @@ def load_model(
     resolved = resolve_model(str(source))
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
-    weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto)
+    cuts_for = None
+    if shard is not None:  # read only this rank's parts of the file (models/tensor_parallel.py)
+
+        def cuts_for(config: ModelConfig) -> dict[str, Cut]:
+            return shard_cuts(config, plan_shards(config, shard[1])[shard[0]])
+
+    weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto, cuts_for=cuts_for)
     cls = ARCHITECTURES[weights.config.architecture]
     model_config = weights.config
     if shard is not None:
-        if auto:
-            raise ModelLoadError(
-                "tensor parallelism builds each slice's forms from its own weights: use --quantization "
-                "int4 or int8, not auto (the file's blocks are not sliced yet)"
-            )
-        plan = plan_shards(weights.config, shard[1])[shard[0]]
-        weights.tensors = shard_tensors(weights.tensors, weights.config, plan)
-        model_config = plan.local_config(weights.config)
+        model_config = plan_shards(weights.config, shard[1])[shard[0]].local_config(weights.config)
     # Built straight on the CPU: the modules allocate their weights with torch.empty (no
     # initialisation to overwrite). Not on the meta device: materialising meta tensors goes
     # through torch's Python reference ops, which import sympy and torch.fx (~30 MiB held for

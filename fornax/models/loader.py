@@ -13,16 +13,22 @@ import math
 import re
 import struct
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
 from fornax.models.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+from fornax.models.tensor_parallel import Cut, take_cut
+
+# Given a model's config, the part of each tensor to read (models/tensor_parallel.py shard_cuts).
+CutsFor = Callable[[ModelConfig], Mapping[str, Cut]]
 
 # GGUF architecture name -> (HF architecture, permuted Q/K, QKV bias, per-head Q/K norm)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
@@ -317,18 +323,58 @@ def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
+def read_cut(t: GGUFTensor, cut: Cut | None) -> tuple[np.ndarray, Cut | None]:
+    """The bytes of `cut` of a file tensor (all of it for None), and the cut still to make after
+    dequantizing: a column cut that falls inside the file's blocks (Q4_K/Q6_K hold 256 values)
+    reads whole rows, one tensor at a time, and keeps the part."""
+    if cut is None:
+        return t.data, None
+    axis, start, stop = cut
+    if axis == 0:
+        return t.data[start:stop], None
+    if t.data.dtype != np.uint8:  # F32 / F16: typed elements
+        return np.ascontiguousarray(t.data[:, start:stop]), None
+    per_block, block_bytes = GGML_QUANT_SIZES[t.qtype]
+    if start % per_block or stop % per_block:
+        return t.data, cut
+    return np.ascontiguousarray(
+        t.data[:, start // per_block * block_bytes : stop // per_block * block_bytes]
+    ), None
+
+
+def _cut_blocks(parts: tuple[np.ndarray, ...], cut: Cut) -> tuple[np.ndarray, ...]:
+    """A column cut of Int4Blocks' (q, scale, zero): whole 32-value blocks only."""
+    q, scale, zero = parts
+    _, start, stop = cut
+    group = q.shape[1] // scale.shape[1]
+    if start % group or stop % group:
+        raise ModelLoadError(f"a tensor-parallel cut at columns {start}:{stop} splits {group}-value blocks")
+    return q[:, start:stop], scale[:, start // group : stop // group], zero[:, start // group : stop // group]
+
+
 def load_gguf(
-    path: Path, dtype: torch.dtype, progress: bool = True, keep_int4_blocks: bool = False
+    path: Path,
+    dtype: torch.dtype,
+    progress: bool = True,
+    keep_int4_blocks: bool = False,
+    cuts_for: CutsFor | None = None,
 ) -> LoadedWeights:
+    """cuts_for: given the model's config, the part of each tensor to read (a tensor-parallel
+    rank's, models/tensor_parallel.py); the rest of those tensors is not read."""
     gguf_file = read_gguf(path)
     try:
-        return _weights_from_gguf(gguf_file, path, dtype, progress, keep_int4_blocks)
+        return _weights_from_gguf(gguf_file, path, dtype, progress, keep_int4_blocks, cuts_for)
     except ModelLoadError as exc:  # the checks speak of the file's contents: say which file
         raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def _weights_from_gguf(
-    gguf_file: GGUFFile, path: Path, dtype: torch.dtype, progress: bool, keep_int4_blocks: bool
+    gguf_file: GGUFFile,
+    path: Path,
+    dtype: torch.dtype,
+    progress: bool,
+    keep_int4_blocks: bool,
+    cuts_for: CutsFor | None,
 ) -> LoadedWeights:
     from gguf.quants import dequantize
 
@@ -342,6 +388,7 @@ def _weights_from_gguf(
     _check_gguf_shapes(config, gguf_file)
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]
+    cuts = cuts_for(config) if cuts_for is not None else {}
     tensors: dict[str, torch.Tensor] = {}
     file_quantization: dict[str, str] = {}
     int4_blocks: dict[str, Int4Blocks] = {}
@@ -351,27 +398,30 @@ def _weights_from_gguf(
         gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr
     )
     for t in bar:
-        array = dequantize(t.data, t.qtype)  # numpy, HF (row-major) shape
         if t.name == "rope_freqs.weight":
-            freq_factors = torch.tensor(np.asarray(array, dtype=np.float32))
+            freq_factors = torch.tensor(np.asarray(dequantize(t.data, t.qtype), dtype=np.float32))
             continue
         hf_name = _gguf_to_hf_name(t.name, arch)
         assert hf_name is not None  # _check_gguf_shapes refused any other name
+        raw, cut_after = read_cut(t, cuts.get(hf_name))
+        array = dequantize(raw, t.qtype)  # numpy, HF (row-major) shape
+        if cut_after is not None:
+            array = take_cut(array, cut_after)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w
         if hf_name == "model.embed_tokens.weight":
             embedding_rows = t
-        heads = None
-        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = config.num_attention_heads
-        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = config.num_key_value_heads
+        heads = None  # per head, so a rank's whole heads unpermute alone
+        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = array.shape[0] // config.head_dim
         if heads is not None:
             array = _unpermute_rows(array, heads)
         if t.type_name in _FILE_QUANTIZATION:
             file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
         if keep_int4_blocks and t.type_name in _INT4_BLOCK_TYPES and len(t.shape) == 2:
-            parts = _q4k_blocks(t.data) if t.type_name == "Q4_K" else _q4_blocks(t.data, t.type_name)
+            parts = _q4k_blocks(raw) if t.type_name == "Q4_K" else _q4_blocks(raw, t.type_name)
+            if cut_after is not None:
+                parts = _cut_blocks(parts, cut_after)
             if heads is not None:  # the same row order as the dequantized weight
                 parts = tuple(_unpermute_rows(x, heads) for x in parts)
             q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)
@@ -502,19 +552,25 @@ def _gemma3_hf_config(raw: dict[str, Any], local_rope: dict[str, Any] | None) ->
     }
 
 
-def load_hf_dir(hf_dir: Path, dtype: torch.dtype, progress: bool = True) -> LoadedWeights:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_hf_dir(
+    hf_dir: Path, dtype: torch.dtype, progress: bool = True, cuts_for: CutsFor | None = None
+) -> LoadedWeights:
+    """cuts_for: as load_gguf's; safetensors reads only those parts from its memory map."""
+    from safetensors import SafetensorError, safe_open
 
     config = hf_model_config(hf_dir)
+    cuts = cuts_for(config) if cuts_for is not None else {}
     tensors: dict[str, torch.Tensor] = {}
     shards = sorted(hf_dir.glob("*.safetensors"))
     for shard in tqdm(
         shards, desc=f"loading {hf_dir.name}", unit="shard", disable=not progress, file=sys.stderr
     ):
         try:
-            for name, tensor in load_file(str(shard)).items():
-                tensors[name] = tensor.to(dtype)
+            with safe_open(str(shard), framework="pt") as file:
+                for name in file.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    cut = cuts.get(name)
+                    tensor = file.get_tensor(name) if cut is None else take_cut(file.get_slice(name), cut)
+                    tensors[name] = tensor.to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {shard}: {exc}") from None
     if "lm_head.weight" not in tensors and not config.tie_word_embeddings:

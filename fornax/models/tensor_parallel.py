@@ -16,7 +16,7 @@ default model's 3 KV heads over 2 ranks are 2 + 1 groups); with fewer, each KV h
 replicated on world / num_kv_heads ranks, which split its group's query heads.
 
 This module is the model half of docs/tensor-parallel.md; the engine half (one scheduler,
-worker processes running each step) is not built yet.
+worker processes running each step) is fornax/engine/tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -36,6 +37,7 @@ from fornax.config import ModelConfig
 from fornax.layers.linear import Linear
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor across the ranks, in place
+QUANT_BLOCK = 32  # the values per scale of the int4/int8 forms and of GGUF's Q4_0/Q8_0 blocks
 
 
 @dataclass(frozen=True)
@@ -87,37 +89,48 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
             range(kv.start * group + (r % per_head) * share, kv.start * group + (r % per_head + 1) * share)
             for r, kv in enumerate(kv_ranges)
         ]
-    mlp = _even_ranges(inter, world)
+    # the MLP channels in whole 32-value quantization blocks where the width allows: a rank's
+    # columns of down then hold exactly the blocks the whole matrix would (int4/int8 forms)
+    unit = QUANT_BLOCK if inter % QUANT_BLOCK == 0 and inter // QUANT_BLOCK >= world else 1
+    mlp = [range(r.start * unit, r.stop * unit) for r in _even_ranges(inter // unit, world)]
     return [ShardPlan(r, world, q_ranges[r], kv_ranges[r], mlp[r]) for r in range(world)]
 
 
-def _rows(t: torch.Tensor, index: range, width: int) -> torch.Tensor:
-    """Rows [index.start * width, index.stop * width) of t (heads of `width` rows, or channels)."""
-    return t[index.start * width : index.stop * width].contiguous()
+# What one rank reads of a tensor: (axis, start, stop), rows (0) or columns (1) [start, stop).
+Cut = tuple[int, int, int]
+
+
+def shard_cuts(config: ModelConfig, plan: ShardPlan) -> dict[str, Cut]:
+    """The HF-named tensors a rank holds a part of, and which part: its heads' rows of q/k/v (and
+    their biases), its heads' columns of o, its channels' rows of gate/up and columns of down.
+    Every other tensor is whole on every rank. The loaders read only these parts from the
+    memory-mapped file where its blocks allow (models/loader.py)."""
+    d = config.head_dim
+    q, kv, mlp = plan.q_heads, plan.kv_heads, plan.intermediate
+    cuts: dict[str, Cut] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, heads in (("q", q), ("k", kv), ("v", kv)):
+            for kind in ("weight", "bias"):
+                cuts[f"{p}self_attn.{name}_proj.{kind}"] = (0, heads.start * d, heads.stop * d)
+        cuts[f"{p}self_attn.o_proj.weight"] = (1, q.start * d, q.stop * d)
+        cuts[f"{p}mlp.gate_proj.weight"] = cuts[f"{p}mlp.up_proj.weight"] = (0, mlp.start, mlp.stop)
+        cuts[f"{p}mlp.down_proj.weight"] = (1, mlp.start, mlp.stop)
+    return cuts
+
+
+def take_cut(t: Any, cut: Cut) -> Any:
+    """`cut` of a torch tensor or numpy array (a view)."""
+    axis, start, stop = cut
+    return t[start:stop] if axis == 0 else t[:, start:stop]
 
 
 def shard_tensors(
     tensors: dict[str, torch.Tensor], config: ModelConfig, plan: ShardPlan
 ) -> dict[str, torch.Tensor]:
-    """The HF-named tensors of one rank: its heads' rows of q/k/v (and their biases), its heads'
-    columns of o, its channels' rows of gate/up and columns of down; everything else as is."""
-    d = config.head_dim
-    out = dict(tensors)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for name, heads in (("q", plan.q_heads), ("k", plan.kv_heads), ("v", plan.kv_heads)):
-            for kind in ("weight", "bias"):
-                key = f"{p}self_attn.{name}_proj.{kind}"
-                if key in out:
-                    out[key] = _rows(out[key], heads, d)
-        o = f"{p}self_attn.o_proj.weight"
-        out[o] = out[o][:, plan.q_heads.start * d : plan.q_heads.stop * d].contiguous()
-        for name in ("gate", "up"):
-            key = f"{p}mlp.{name}_proj.weight"
-            out[key] = _rows(out[key], plan.intermediate, 1)
-        down = f"{p}mlp.down_proj.weight"
-        out[down] = out[down][:, plan.intermediate.start : plan.intermediate.stop].contiguous()
-    return out
+    """One rank's HF-named tensors, cut from the whole model's (shard_cuts)."""
+    cuts = shard_cuts(config, plan)
+    return {k: take_cut(v, cuts[k]).contiguous() if k in cuts else v for k, v in tensors.items()}
 
 
 def row_parallel_linears(model: nn.Module) -> list[Linear]:
@@ -148,10 +161,11 @@ def build_shard(
     dtype: torch.dtype,
     all_reduce: AllReduce,
 ) -> nn.Module:
-    """This rank's model: the architecture's class at the slice's sizes, its weights, the all-reduces."""
+    """This rank's model: the architecture's class at the slice's sizes, its weights (`tensors`:
+    the rank's parts already, as the loaders read them with shard_cuts), the all-reduces."""
     model = cls(plan.local_config(config), dtype)
     with torch.no_grad():
-        model.load_weights(shard_tensors(tensors, config, plan))
+        model.load_weights(tensors)
     model.eval()
     install_all_reduce(model, all_reduce)
     return model

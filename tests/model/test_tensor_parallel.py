@@ -1,9 +1,11 @@
 """Tensor-parallel shards (fornax/models/tensor_parallel.py) in real processes over gloo on
-loopback: each rank builds its slice of the model, runs the same prompt through it with its own
-paged KV cache and the all-reduces, and the logits equal the single-process model's in float32
-(within 1e-4) on a tiny random model of each family, with heads split evenly and with KV heads
-replicated (2 KV heads over 4 ranks); the uneven split (the default model's 3 KV heads over 2
-ranks) is the plan test's and the engine test's. Also the plan itself: which rank holds which heads."""
+loopback: each rank reads only its parts of the safetensors files, builds its slice of the
+model, runs the same prompt through it with its own paged KV cache and the all-reduces, and
+the logits equal the single-process model's in float32 (within 1e-4) on a tiny random model
+of each family, with heads split evenly and with KV heads replicated (2 KV heads over 4 ranks);
+the uneven split (the default model's 3 KV heads over 2 ranks) is the plan test's and the
+engine test's. Also the plan itself (which rank holds which heads), and the parts a rank reads
+of a GGUF file."""
 
 from __future__ import annotations
 
@@ -22,8 +24,17 @@ from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import ARCHITECTURES, load_weights
 from fornax.models.llama import KVCache
+from fornax.models.loader import CutsFor, read_cut
 from fornax.models.registry import resolve_model
-from fornax.models.tensor_parallel import build_shard, connect_gloo_group, gloo_all_reduce, plan_shards
+from fornax.models.tensor_parallel import (
+    build_shard,
+    connect_gloo_group,
+    gloo_all_reduce,
+    plan_shards,
+    shard_cuts,
+    shard_tensors,
+    take_cut,
+)
 from tests.model.tiny_models import build_tiny_model
 
 PROMPT = [5, 17, 99, 200, 31, 7, 3, 3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
@@ -32,7 +43,7 @@ BLOCK = 16
 
 def _logits(source: str, world: int, rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The prompt's logits through rank `rank`'s shard (world 1: the whole model)."""
-    weights = load_weights(resolve_model(source), torch.float32, progress=False)
+    weights = load_weights(resolve_model(source), torch.float32, progress=False, cuts_for=_cuts(world, rank))
     config = weights.config
     plan = plan_shards(config, world)[rank]
     reduce = gloo_all_reduce(group) if group is not None else (lambda t: None)
@@ -51,6 +62,10 @@ def _logits(source: str, world: int, rank: int, group: dist.ProcessGroup | None 
     with torch.inference_mode():
         hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), cache, meta)
         return model.compute_logits(hidden)
+
+
+def _cuts(world: int, rank: int) -> CutsFor:
+    return lambda config: shard_cuts(config, plan_shards(config, world)[rank])
 
 
 def _rank_main(rank: int, world: int, port: int, sources: list[str], out_dir: str) -> None:
@@ -140,3 +155,46 @@ def test_plan_refuses_splits_that_break_a_group():
         plan_shards(_config(9, 3), 4)  # 3 KV heads over 4 ranks
     with pytest.raises(ValueError, match="cannot be split"):
         plan_shards(_config(6, 2), 8)  # 3 query heads per KV head over 4 ranks each
+
+
+def test_a_rank_reads_its_parts_of_the_gguf(default_gguf):
+    """What each rank reads of the default model's file (its Q4_1 blocks cut on block
+    boundaries, never dequantized whole) equals the whole model's tensors cut afterwards, and
+    so do the int4 blocks `--quantization auto` builds its forms from."""
+    source = resolve_model(str(default_gguf))
+    whole = load_weights(source, torch.float32, progress=False, keep_int4_blocks=True)
+    for plan in plan_shards(whole.config, 2):
+        cuts = shard_cuts(whole.config, plan)
+        part = load_weights(
+            source, torch.float32, progress=False, keep_int4_blocks=True, cuts_for=_cuts(2, plan.rank)
+        )
+        want = shard_tensors(whole.tensors, whole.config, plan)
+        assert want.keys() == part.tensors.keys()
+        for name, tensor in want.items():
+            assert torch.equal(part.tensors[name], tensor), name
+        assert part.int4_blocks.keys() == whole.int4_blocks.keys()
+        for name, blocks in whole.int4_blocks.items():
+            axis, start, stop = cuts.get(name, (0, 0, len(blocks.q)))
+            scale_cut = (axis, start // 32, stop // 32) if axis else (axis, start, stop)
+            assert torch.equal(part.int4_blocks[name].q, take_cut(blocks.q, (axis, start, stop))), name
+            assert torch.equal(part.int4_blocks[name].scale, take_cut(blocks.scale, scale_cut)), name
+            assert torch.equal(part.int4_blocks[name].zero, take_cut(blocks.zero, scale_cut)), name
+
+
+def test_a_cut_inside_the_files_blocks(gemma3_gguf):
+    """Gemma 3's Q4_K / Q6_K tensors hold 256 values per block: a column cut at a multiple of
+    32 inside one reads whole rows and is cut after dequantizing; one on a block boundary reads
+    only its bytes. Both give the same values as dequantizing the whole tensor."""
+    from gguf.quants import dequantize
+
+    from fornax.models.loader import read_gguf
+
+    file = read_gguf(gemma3_gguf)
+    down = next(t for t in file.tensors if t.name == "blk.0.ffn_down.weight" and t.type_name == "Q6_K")
+    whole = dequantize(down.data, down.qtype)
+    for cut, reads_whole_rows in (((1, 96, 608), True), ((1, 256, 768), False)):
+        raw, after = read_cut(down, cut)
+        assert (after is not None) == reads_whole_rows
+        values = dequantize(raw, down.qtype)
+        values = take_cut(values, after) if after is not None else values
+        assert (values == take_cut(whole, cut)).all()
