@@ -1,7 +1,7 @@
 """The tensor-parallel engine (fornax/engine/tensor_parallel.py): LLM(tensor_parallel_size=2)
 runs the default model over two processes and gives the single process's greedy tokens, with
-logprobs within 1e-4, in float32, through prefix-cache hits, chunked prefill, preemption and
-n-gram speculation; a worker that dies fails the engine with an error, not a hang."""
+logprobs within 1e-4, in float32, through prefix-cache hits, chunked prefill, preemption,
+n-gram speculation and a draft model; a worker that dies fails the engine with an error, not a hang."""
 
 from __future__ import annotations
 
@@ -61,6 +61,22 @@ def test_two_ranks_match_one_process(default_gguf):
             assert tokens == want_tokens
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
     tp.engine.check_integrity()
+
+
+def test_a_draft_model_beside_two_ranks(default_gguf):
+    """Speculation with a draft model (the default model drafting for itself, so drafts are
+    accepted): the draft runs whole in the engine process, the target over the two ranks."""
+    config = {
+        **CONFIG,
+        "speculative_config": {**CONFIG["speculative_config"], "method": "draft", "model": str(default_gguf)},
+    }
+    want = _generate(LLM(str(default_gguf), progress=False, **config))
+    tp = LLM(str(default_gguf), progress=False, tensor_parallel_size=2, **config)
+    got = _generate(tp)
+    assert tp.engine.stats().spec_num_accepted_tokens_total > 0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
 
 
 def test_a_dead_worker_fails_the_engine(default_gguf):
