@@ -478,7 +478,6 @@ class EngineConfig:
         spec = self.speculative
         refused = {
             "KV offload tiers": self.offload.enabled or self.offload.swap,
-            "deterministic mode": self.deterministic,
             "self-drafting": spec is not None and spec.method == "self",
         }
         named = [name for name, on in refused.items() if on]

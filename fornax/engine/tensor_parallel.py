@@ -68,7 +68,7 @@ class TensorParallelGroup:
                 proc.start()
                 self.workers.append(proc)
         self.group = self._connect(init, config.distributed_timeout)
-        self.all_reduce: AllReduce = gloo_all_reduce(self.group)
+        self.all_reduce: AllReduce = gloo_all_reduce(self.group, fixed_order=config.deterministic)
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
 
@@ -152,7 +152,13 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         num_blocks = torch.empty(1, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
         loaded = load_engine_model(
-            config, progress=False, shard=(rank, config.tensor_parallel_size, gloo_all_reduce(group))
+            config,
+            progress=False,
+            shard=(
+                rank,
+                config.tensor_parallel_size,
+                gloo_all_reduce(group, fixed_order=config.deterministic),
+            ),
         )
         group.broadcast(num_blocks, 0).wait()  # rank 0 sizes the cache; every rank holds as many blocks
         local = loaded.local_config or loaded.config
@@ -165,7 +171,12 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         while (step := _receive_step(group)) is not None:
             input_ids, positions, spans = step
             meta = build_attention_metadata(
-                spans, cache.block_size, local.sliding_window, kernel, local.interleaves_sliding_window
+                spans,
+                cache.block_size,
+                local.sliding_window,
+                kernel,
+                local.interleaves_sliding_window,
+                deterministic=config.deterministic,
             )
             with torch.inference_mode():
                 model(input_ids, positions, kv, meta)

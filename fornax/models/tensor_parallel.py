@@ -183,10 +183,25 @@ def connect_gloo_group(init_method: str, rank: int, world: int, timeout_s: float
     return dist.ProcessGroupGloo(store, rank, world, timeout)  # it keeps the store alive
 
 
-def gloo_all_reduce(group: dist.ProcessGroup) -> AllReduce:
-    """A sum over `group`, in place."""
+def gloo_all_reduce(group: dist.ProcessGroup, fixed_order: bool = False) -> AllReduce:
+    """A sum over `group`, in place. fixed_order (deterministic mode): every element summed in
+    rank order whatever the tensor's size. Gloo's own sum over more than two ranks goes round a
+    ring in chunks cut by the tensor's size, so an element's order of addition would follow the
+    step's row count; two ranks add a + b either way (one commutative addition)."""
+    world = group.size()
+    if not fixed_order or world <= 2:
 
-    def all_reduce(t: torch.Tensor) -> None:
-        group.allreduce(t).wait()
+        def all_reduce(t: torch.Tensor) -> None:
+            group.allreduce(t).wait()
 
-    return all_reduce
+        return all_reduce
+
+    def gather_then_sum(t: torch.Tensor) -> None:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        group.allgather([parts], [t.contiguous()]).wait()
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        t.copy_(total)
+
+    return gather_then_sum

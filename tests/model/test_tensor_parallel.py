@@ -198,3 +198,29 @@ def test_a_cut_inside_the_files_blocks(gemma3_gguf):
         values = dequantize(raw, down.qtype)
         values = take_cut(values, after) if after is not None else values
         assert (values == take_cut(whole, cut)).all()
+
+
+def _sum_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    group = connect_gloo_group(f"tcp://127.0.0.1:{port}", rank, world, 60)
+    reduce = gloo_all_reduce(group, fixed_order=True)
+    for rows in (1, 7, 512):
+        t = _addend(rank, rows)
+        reduce(t)
+        torch.save(t, os.path.join(out_dir, f"{rows}.rank{rank}.pt"))
+
+
+def _addend(rank: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, 576, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16) * 10**rank
+
+
+def test_fixed_order_sum_over_three_ranks(tmp_path):
+    """Deterministic mode's all-reduce: over three ranks, every element is rank 0's + rank 1's +
+    rank 2's in that order (bf16, so the order shows), at one row as at 512."""
+    world = 3
+    mp.spawn(_sum_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rows in (1, 7, 512):
+        parts = [_addend(r, rows) for r in range(world)]
+        want = parts[0] + parts[1] + parts[2]
+        assert not torch.equal(want, parts[2] + parts[1] + parts[0])  # the order matters here
+        for r in range(world):
+            assert torch.equal(torch.load(tmp_path / f"{rows}.rank{r}.pt"), want), (rows, r)
