@@ -478,9 +478,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
         from fornax.engine.tensor_parallel import TensorParallelGroup
 
         group = TensorParallelGroup(config)
-    loaded = load_engine_model(
-        config, progress, shard=None if group is None else (0, world, group.all_reduce)
-    )
+    loaded = load_engine_model(config, progress, shard=None if group is None else group.shard)
     heap_before = malloc_stats()
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)

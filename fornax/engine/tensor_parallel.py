@@ -32,7 +32,7 @@ from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model
 from fornax.models.llama import KVCache
-from fornax.models.tensor_parallel import AllReduce, connect_gloo_group, gloo_all_reduce
+from fornax.models.tensor_parallel import connect_gloo_group, gloo_shard
 
 logger = logging.getLogger("fornax.engine")
 
@@ -68,7 +68,7 @@ class TensorParallelGroup:
                 proc.start()
                 self.workers.append(proc)
         self.group = self._connect(init, config.distributed_timeout)
-        self.all_reduce: AllReduce = gloo_all_reduce(self.group, fixed_order=config.deterministic)
+        self.shard = gloo_shard(self.group, 0, config.deterministic)  # rank 0's slice is this process's
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
 
@@ -152,13 +152,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         num_blocks = torch.empty(1, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
         loaded = load_engine_model(
-            config,
-            progress=False,
-            shard=(
-                rank,
-                config.tensor_parallel_size,
-                gloo_all_reduce(group, fixed_order=config.deterministic),
-            ),
+            config, progress=False, shard=gloo_shard(group, rank, config.deterministic)
         )
         group.broadcast(num_blocks, 0).wait()  # rank 0 sizes the cache; every rank holds as many blocks
         local = loaded.local_config or loaded.config

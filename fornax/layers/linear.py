@@ -24,6 +24,7 @@ per activation row loses little (large_step_quantization="w8a8").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -42,6 +43,9 @@ from fornax.layers.native import (
     load_int8_matmul,
     load_quant_matmul,
 )
+
+# Turns per-row maxima over a slice of each row into maxima over the whole rows, in place.
+RowMax = Callable[[torch.Tensor], None]
 
 
 class LinearMethod(Protocol):
@@ -293,9 +297,17 @@ class Int8Rotated:
 
     quantized = True
 
-    def __init__(self, weight: torch.Tensor, kernel: Int8Matmul) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: Int8Matmul, whole_row_max: RowMax | None = None) -> None:
+        """whole_row_max: the weight's columns (and each input row) are one tensor-parallel
+        rank's slice of longer rows (models/tensor_parallel.py); it turns a per-row maximum
+        over the slice into one over the whole row, in place (a max across the ranks), so the
+        slice is rounded with the scales one process would use."""
+        self.whole_row_max = whole_row_max
         w = hadamard_blocks(weight)  # [out, in], = 32 * (W H) for the orthonormal H
-        wmax = w.abs().amax(dim=1).clamp(min=1e-30)  # [out]
+        wmax = w.abs().amax(dim=1)  # [out]
+        if whole_row_max is not None:
+            whole_row_max(wmax)
+        wmax = wmax.clamp(min=1e-30)
         q = torch.round(w * (127.0 / wmax)[:, None]).to(torch.int8)  # [out, in]
         out_f, in_f = q.shape
         pad = -out_f % 64  # the kernel's panels of 64 output channels, padded with zero channels
@@ -318,7 +330,11 @@ class Int8Rotated:
         return hadamard_blocks(w_rot) / 32.0  # H H = 32 I
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.packed, self.colsum, self.scale, self.out_features)
+        if self.whole_row_max is None:
+            return self.kernel(x, self.packed, self.colsum, self.scale, self.out_features)
+        row_max = self.kernel.rotated_row_max(x)
+        self.whole_row_max(row_max)
+        return self.kernel(x, self.packed, self.colsum, self.scale, self.out_features, given_max=row_max)
 
 
 def int8_matmul_for(weight: torch.Tensor, backend: str) -> Int8Matmul | None:
@@ -424,12 +440,15 @@ class Linear(nn.Module):
             self.mid, self.mid_max_rows = DenseBf16(self._dense(), kernel), max_rows
         self._clip_mid()
 
-    def set_large_step_int8(self, min_rows: int, backend: str = "native") -> None:
+    def set_large_step_int8(
+        self, min_rows: int, backend: str = "native", whole_row_max: RowMax | None = None
+    ) -> None:
         """Serve inputs of at least `min_rows` rows (past the small form's limit) by int8 x int8
-        matmuls (Int8Rotated), where they run; otherwise nothing changes."""
+        matmuls (Int8Rotated), where they run; otherwise nothing changes. whole_row_max: this
+        Linear's input is a slice of a longer row (Int8Rotated)."""
         kernel = int8_matmul_for(self._dense(), backend)
         if kernel is not None:
-            self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel), min_rows
+            self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel, whole_row_max), min_rows
             if isinstance(self.small, BlockInt8) and min_rows <= 1:
                 # Both read int8 weights, and the int8 x int8 kernel was the faster at every row
                 # count, one included (measured: docs/kernels.md): the weight-only form would be a

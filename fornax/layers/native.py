@@ -549,33 +549,74 @@ class Int8Matmul:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i = ctypes.c_void_p, ctypes.c_int
-        self._quantize, self._matmul = lib.rotate_quantize_rows_bf16, lib.int8_matmul_bf16
-        self._quantize.restype, self._quantize.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, p, i]
-        self._matmul.restype, self._matmul.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, p, p, i, p, i]
+        self._quantize, self._matmul = lib.rotate_quantize_rows_bf16, lib.int8_matmul_bf16_given_max
+        self._row_max = lib.rotated_row_max_bf16
+        self._quantize.restype, self._quantize.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, p, i, p]
+        self._row_max.restype, self._row_max.argtypes = ctypes.c_int, [p, ctypes.c_long, i, i, p, i]
+        self._matmul.restype = ctypes.c_int
+        self._matmul.argtypes = [p, ctypes.c_long, i, i, p, p, p, i, p, i, p]
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The activation rounding of `__call__`, alone: x [T, K] bf16 (any row stride, K a
-        multiple of 32) -> (q [T, K] int8, scale [T] float32), x H ~ q * scale per row, H the
-        blockwise Hadamard transform."""
+    def rotated_row_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's largest |value| after the blockwise Hadamard transform: what `__call__`
+        scales the row's int8 rounding by. x [T, K] bf16, K a multiple of 32 -> [T] float32."""
+        x = self._check_activations(x)
+        row_max = torch.empty(x.shape[0], dtype=torch.float32)
+        status = self._row_max(
+            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], row_max.data_ptr(), torch.get_num_threads()
+        )
+        if status:
+            raise RuntimeError(f"int8 activation kernel failed (status {status})")
+        return row_max
+
+    @staticmethod
+    def _check_given_max(given_max: torch.Tensor | None, rows: int) -> None:
+        ok = given_max is None or (
+            given_max.dtype == torch.float32 and given_max.shape == (rows,) and given_max.is_contiguous()
+        )
+        if not ok:
+            raise ValueError("int8 activations: given_max must be [T] float32, one maximum per row")
+
+    @staticmethod
+    def _check_activations(x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        rows, k = x.shape
-        if x.dtype != torch.bfloat16 or k % 32:
+        if x.dtype != torch.bfloat16 or x.shape[-1] % 32:
             raise ValueError("int8 activations: x must be [T, K] bfloat16 with K a multiple of 32")
+        return x
+
+    def quantize(
+        self, x: torch.Tensor, given_max: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation rounding of `__call__`, alone: x [T, K] bf16 (any row stride, K a
+        multiple of 32) -> (q [T, K] int8, scale [T] float32), x H ~ q * scale per row, H the
+        blockwise Hadamard transform; given_max as `__call__`'s."""
+        x = self._check_activations(x)
+        rows, k = x.shape
+        self._check_given_max(given_max, rows)
         q = torch.empty((rows, k), dtype=torch.int8)
         scale = torch.empty(rows, dtype=torch.float32)
         status = self._quantize(
-            x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads()
-        )
+            x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads(),
+            None if given_max is None else given_max.data_ptr(),
+        )  # fmt: skip
         if status:
             raise RuntimeError(f"int8 activation kernel failed (status {status})")
         return q, scale
 
     def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor, n: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        colsum: torch.Tensor,
+        scale: torch.Tensor,
+        n: int,
+        given_max: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y [T, n] bf16 = x W^T for W in the kernel's panels (packed [n_pad / 64, K / 4, 64, 4]
-        int8, colsum int32 and scale float32 [n_pad]); x [T, K] bf16, any row stride."""
+        int8, colsum int32 and scale float32 [n_pad]); x [T, K] bf16, any row stride.
+        given_max [T] float32: each row rounded against that maximum instead of its own
+        (rotated_row_max of the whole row, where x holds a tensor-parallel slice of it)."""
+        self._check_given_max(given_max, x.shape[0])
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, k = x.shape
@@ -592,7 +633,7 @@ class Int8Matmul:
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         status = self._matmul(
             x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), colsum.data_ptr(), scale.data_ptr(), n,
-            out.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), torch.get_num_threads(), None if given_max is None else given_max.data_ptr(),
         )  # fmt: skip
         if status:
             raise RuntimeError(f"int8 matmul kernel failed (status {status})")

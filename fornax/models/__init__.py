@@ -19,7 +19,14 @@ from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.models.loader import CutsFor, LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
-from fornax.models.tensor_parallel import AllReduce, Cut, install_all_reduce, plan_shards, shard_cuts
+from fornax.models.tensor_parallel import (
+    Cut,
+    Shard,
+    install_all_reduce,
+    plan_shards,
+    row_parallel_linears,
+    shard_cuts,
+)
 
 # HF architecture name -> implementation. The Llama family shares one implementation
 # whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
@@ -78,7 +85,7 @@ def load_model(
     keep_dense_weights: bool = False,
     lm_head_int4: bool = False,
     deterministic: bool = False,
-    shard: tuple[int, int, AllReduce] | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Resolve, read and build a model; errors are ModelSourceError / ModelLoadError.
     small_step: (method, max_rows): the form of each Linear for steps of at most max_rows
@@ -88,9 +95,9 @@ def load_model(
     None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
     steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
     deterministic: each Linear then keeps one of those forms for every step (Linear.use_one_form);
-    ModelLoadError where no batch-invariant form runs on this CPU. shard: (rank, world,
-    all_reduce): only this rank's slice of each layer (models/tensor_parallel.py), its
-    row-parallel outputs completed by all_reduce; the forms are then built per slice.
+    ModelLoadError where no batch-invariant form runs on this CPU. shard: only this rank's slice
+    of each layer (models/tensor_parallel.py), read alone from the file, its row-parallel
+    outputs completed by shard.all_reduce; the forms are then built per slice.
 
     Each weight is then held only in the forms some step reads (docs/memory.md): a Linear's
     dense weight goes when its forms cover every row count (keep_dense_weights keeps it, for
@@ -103,13 +110,13 @@ def load_model(
     if shard is not None:  # read only this rank's parts of the file (models/tensor_parallel.py)
 
         def cuts_for(config: ModelConfig) -> dict[str, Cut]:
-            return shard_cuts(config, plan_shards(config, shard[1])[shard[0]])
+            return shard_cuts(config, plan_shards(config, shard.world)[shard.rank])
 
     weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto, cuts_for=cuts_for)
     cls = ARCHITECTURES[weights.config.architecture]
     model_config = weights.config
     if shard is not None:
-        model_config = plan_shards(weights.config, shard[1])[shard[0]].local_config(weights.config)
+        model_config = plan_shards(weights.config, shard.world)[shard.rank].local_config(weights.config)
     # Built straight on the CPU: the modules allocate their weights with torch.empty (no
     # initialisation to overwrite). Not on the meta device: materialising meta tensors goes
     # through torch's Python reference ops, which import sympy and torch.fx (~30 MiB held for
@@ -128,8 +135,12 @@ def load_model(
                     module.set_small_step_method(method, max_rows, kernel_backend)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if large_step is not None and large_step[0] == "w8a8":
+        # a rank's row-parallel projections hold slices of each int8 row: their scales come
+        # from the whole row (a max across the ranks), as one process would round them
+        cut_rows = {id(x) for x in row_parallel_linears(model)} if shard is not None else set()
         for linear in linears:
-            linear.set_large_step_int8(large_step[1], kernel_backend)
+            whole_row_max = shard.all_reduce_max if shard is not None and id(linear) in cut_rows else None
+            linear.set_large_step_int8(large_step[1], kernel_backend, whole_row_max)
         if all(linear.large is None for linear in linears):
             logger.warning(
                 "w8a8 large steps cannot run here (no AVX-512 VNNI or no C compiler): dense weights serve them"
@@ -152,7 +163,7 @@ def load_model(
         for linear in linears:
             linear.release_dense_weight()
     if shard is not None:
-        install_all_reduce(model, shard[2])
+        install_all_reduce(model, shard.all_reduce)
     embedding_from_file(model, weights)
     weights.tensors.clear()  # the model holds what it needs; the rest goes before packing
     weights_on_huge_pages(model)
@@ -163,9 +174,7 @@ def load_model(
     )
 
 
-def load_engine_model(
-    config: EngineConfig, progress: bool = True, shard: tuple[int, int, AllReduce] | None = None
-) -> LoadedModel:
+def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard | None = None) -> LoadedModel:
     """load_model as an engine's config asks: its weight forms, kernels and mode, and (shard)
     one tensor-parallel rank's slice. The engine process and its worker ranks both load this way."""
     spec = config.speculative

@@ -36,8 +36,20 @@ from torch import nn
 from fornax.config import ModelConfig
 from fornax.layers.linear import Linear
 
-AllReduce = Callable[[torch.Tensor], None]  # sums a tensor across the ranks, in place
+AllReduce = Callable[[torch.Tensor], None]  # a sum (or max) of a tensor across the ranks, in place
 QUANT_BLOCK = 32  # the values per scale of the int4/int8 forms and of GGUF's Q4_0/Q8_0 blocks
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What load_model needs to build one rank's slice: which rank of how many, and the two
+    collectives its layers call (a sum after each row-parallel projection; a maximum that gives
+    the w8a8 form's per-row scales the whole row's range, layers/linear.py Int8Rotated)."""
+
+    rank: int
+    world: int
+    all_reduce: AllReduce
+    all_reduce_max: AllReduce
 
 
 @dataclass(frozen=True)
@@ -205,3 +217,19 @@ def gloo_all_reduce(group: dist.ProcessGroup, fixed_order: bool = False) -> AllR
         t.copy_(total)
 
     return gather_then_sum
+
+
+def gloo_all_reduce_max(group: dist.ProcessGroup) -> AllReduce:
+    """An element-wise maximum over `group`, in place (exact, so in any order)."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+
+    def all_reduce_max(t: torch.Tensor) -> None:
+        group.allreduce([t], options).wait()
+
+    return all_reduce_max
+
+
+def gloo_shard(group: dist.ProcessGroup, rank: int, deterministic: bool = False) -> Shard:
+    """Rank `rank`'s Shard over `group` (deterministic: the fixed-order sum)."""
+    return Shard(rank, group.size(), gloo_all_reduce(group, deterministic), gloo_all_reduce_max(group))

@@ -8,6 +8,7 @@
   64), and for strided rows.
 - The stored weight is within half an int8 step of W, and the whole is close to x W^T (a wrong
   rotation or scale would be off by ~100%).
+- A tensor-parallel slice of each row, given the whole row's maxima, rounds as the whole row.
 - Linear takes it by row count after the small tier and cuts the mid tier where it starts
   (the one-call step reads that limit); float32 Linears and widths the rotation cannot take
   stay dense.
@@ -62,9 +63,9 @@ def test_zero_rows_and_strided_rows():
     _assert_same_rounding(x)
 
 
-def _exact(form: Int8Rotated, x: torch.Tensor) -> torch.Tensor:
+def _exact(form: Int8Rotated, x: torch.Tensor, given_max: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's result from its parts: int64 sums of the rounded values, scaled, rounded once."""
-    q, row_scale = KERNEL.quantize(x)
+    q, row_scale = KERNEL.quantize(x, given_max)
     sums = q.long() @ form.int8_weight().long().T  # [rows, out]
     col_scale = form.scale[: form.out_features]
     return (sums.float() * (row_scale[:, None] * col_scale[None, :])).bfloat16()
@@ -95,6 +96,44 @@ def test_strided_rows_zero_rows_and_closeness_to_bf16():
     assert ((form.dequantize() - w.float()).abs() <= step * 0.5 + 1e-6).all()
     ref = F.linear(x.float(), w.float())
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_slices_of_a_row_round_as_the_whole_row():
+    """A tensor-parallel rank's row-parallel projection holds a slice of each row (of W and of
+    x). Given the whole row's maxima (a max across the ranks; here the other slice's, by hand),
+    each slice's int8 weights, weight scales, activation rounding and scales are the whole
+    row's, exactly; and the slices' partial products add up to the whole product."""
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(96, 256, generator=gen) * 0.05).bfloat16()
+    w[:, 200] *= 30  # the largest weight of each row in the second slice only
+    x = torch.randn(7, 256, generator=gen).bfloat16()
+    x[:, 3] = 40.0  # the largest activation in the first slice only
+    cuts = (slice(0, 96), slice(96, 256))  # whole 32-value blocks
+    whole = Int8Rotated(w, KERNEL)
+    q_whole, scale_whole = KERNEL.quantize(x)
+    row_max = [KERNEL.rotated_row_max(x[:, c]) for c in cuts]
+    weight_max = [hadamard_blocks(w[:, c]).abs().amax(dim=1) for c in cuts]
+    assert torch.equal(torch.maximum(*row_max), KERNEL.rotated_row_max(x))
+    total, magnitude = torch.zeros(7, 96), torch.zeros(7, 96)
+    for i, c in enumerate(cuts):
+        other = 1 - i
+
+        def across_ranks(t: torch.Tensor, other: int = other) -> None:
+            t.copy_(torch.maximum(t, weight_max[other]))
+
+        part = Int8Rotated(w[:, c], KERNEL, whole_row_max=across_ranks)
+        assert torch.equal(part.int8_weight(), whole.int8_weight()[:, c])
+        assert torch.equal(part.scale, whole.scale)
+        given = torch.maximum(row_max[i], row_max[other])
+        q, scale = KERNEL.quantize(x[:, c], given_max=given)
+        assert torch.equal(q, q_whole[:, c]) and torch.equal(scale, scale_whole)
+        y = KERNEL(x[:, c], part.packed, part.colsum, part.scale, part.out_features, given_max=given)
+        assert torch.equal(y, _exact(part, x[:, c], given))
+        total += y.float()
+        magnitude += y.float().abs()
+    # the same int8 products; one bf16 rounding of the whole sum against one of each part's
+    y_whole = whole(x).float()
+    assert ((total - y_whole).abs() <= (magnitude + y_whole.abs()) * 2**-8).all()
 
 
 def test_rejects_what_it_cannot_read():

@@ -60,17 +60,25 @@ static inline void store_int8(int8_t *q, __m512 x, __m512 inv, int offset) {
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i));
 }
 
-/* One row: the blockwise transform, then q = round(v / scale) + offset with scale =
- * max|v| / 127 (0 for a zero row). The transform is done twice (once for the maximum, once to
- * round) rather than kept: a few adds per value on a row in L1, and no buffer. */
-static float quantize_row(const uint16_t *xr, int k, int8_t *qr, int offset) {
+/* max|v| over one row's blockwise transform v. */
+static inline float rotated_max(const uint16_t *xr, int k) {
     __m512 amax = _mm512_setzero_ps();
     for (int i = 0; i < k; i += HBLOCK) {
         __m512 a = vload_bf16(xr + i), b = vload_bf16(xr + i + 16);
         hadamard32(&a, &b);
         amax = _mm512_max_ps(amax, _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     }
-    const float m = _mm512_reduce_max_ps(amax);
+    return _mm512_reduce_max_ps(amax);
+}
+
+/* One row: the blockwise transform, then q = round(v / scale) + offset with scale = m / 127,
+ * m the row's max|v| (0 for a zero row), or `given_max` where that is >= 0: a tensor-parallel
+ * rank's row is a slice of the whole row, and the whole row's maximum (a max all-reduce of the
+ * ranks' rotated_max) gives the slice the rounding the whole row gets. The transform is done
+ * twice (once for the maximum, once to round) rather than kept: a few adds per value on a row
+ * in L1, and no buffer. */
+static float quantize_row(const uint16_t *xr, int k, int8_t *qr, int offset, float given_max) {
+    const float m = given_max >= 0.f ? given_max : rotated_max(xr, k);
     const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
     for (int i = 0; i < k; i += HBLOCK) {
         __m512 a = vload_bf16(xr + i), b = vload_bf16(xr + i + 16);
@@ -83,17 +91,19 @@ static float quantize_row(const uint16_t *xr, int k, int8_t *qr, int offset) {
 #endif
 
 /* q [rows, k] int8 and scale [rows] from x [rows, k] bf16 (row stride ldx), as quantize_row
- * with no offset: the rounding int8_matmul_bf16 does, exposed so tests can check it. k must be
- * a multiple of 32. Returns 0, 1 for a bad k, 3 where not compiled in. */
+ * with no offset (given_max as there, or NULL): the rounding int8_matmul_bf16 does, exposed so
+ * tests can check it. k must be a multiple of 32. Returns 0, 1 for a bad k, 3 where not
+ * compiled in. */
 int rotate_quantize_rows_bf16(const uint16_t *x, long ldx, int rows, int k, int8_t *q, float *scale,
-                              int num_threads) {
+                              int num_threads, const float *given_max) {
 #if HAVE_VEC512
     if (k % HBLOCK) return 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
-    for (int r = 0; r < rows; r++) scale[r] = quantize_row(x + (long)r * ldx, k, q + (long)r * k, 0);
+    for (int r = 0; r < rows; r++)
+        scale[r] = quantize_row(x + (long)r * ldx, k, q + (long)r * k, 0, given_max ? given_max[r] : -1.f);
     return 0;
 #else
-    (void)x, (void)ldx, (void)rows, (void)k, (void)q, (void)scale, (void)num_threads;
+    (void)x, (void)ldx, (void)rows, (void)k, (void)q, (void)scale, (void)num_threads, (void)given_max;
     return 3;
 #endif
 }
@@ -173,12 +183,28 @@ static void rows_times_panel(const uint8_t *a, const float *row_scale, int rows,
 #endif
 
 /* 1 where compiled in (AVX-512 with VNNI); the Python side keeps bf16 otherwise. */
+/* row_max [rows]: each row's max|v| (rotated_max), for a max all-reduce across tensor-parallel
+ * ranks before int8_matmul_bf16_given_max. Returns 0, 1 for a bad k, 3 where not compiled in. */
+int rotated_row_max_bf16(const uint16_t *x, long ldx, int rows, int k, float *row_max, int num_threads) {
+#if HAVE_VEC512
+    if (k % HBLOCK) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; r++) row_max[r] = rotated_max(x + (long)r * ldx, k);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)rows, (void)k, (void)row_max, (void)num_threads;
+    return 3;
+#endif
+}
+
 int int8_matmul_available(void) { return HAVE_VNNI; }
 
-/* x [rows, k] bf16 (row stride ldx), weights as above; y [rows, n] bf16. Returns 0; 1 bad
+/* x [rows, k] bf16 (row stride ldx), weights as above; y [rows, n] bf16; given_max [rows] or
+ * NULL: each row's rounding maximum, where not the row's own (quantize_row). Returns 0; 1 bad
  * shape; 2 no memory; 3 not compiled in. */
-int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t *wp, const int32_t *colsum,
-                     const float *col_scale, int n, uint16_t *y, int num_threads) {
+int int8_matmul_bf16_given_max(const uint16_t *x, long ldx, int rows, int k, const int8_t *wp,
+                               const int32_t *colsum, const float *col_scale, int n, uint16_t *y,
+                               int num_threads, const float *given_max) {
 #if HAVE_VNNI
     if (k % HBLOCK || rows < 1 || n < 1) return 1;
     uint8_t *a = malloc((size_t)rows * k + sizeof(float) * (size_t)rows);
@@ -193,7 +219,8 @@ int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t 
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
-            row_scale[r] = quantize_row(x + (long)r * ldx, k, (int8_t *)a + (long)r * k, 128);
+            row_scale[r] = quantize_row(x + (long)r * ldx, k, (int8_t *)a + (long)r * k, 128,
+                                        given_max ? given_max[r] : -1.f);
 #pragma omp for schedule(dynamic, 1)
         for (int p = 0; p < panels; p++)
             rows_times_panel(a, row_scale, rows, k, wp + (long)p * PANEL * k, colsum, col_scale, p * PANEL, n, y);
@@ -202,7 +229,12 @@ int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t 
     return 0;
 #else
     (void)x, (void)ldx, (void)rows, (void)k, (void)wp, (void)colsum, (void)col_scale, (void)n, (void)y,
-        (void)num_threads;
+        (void)num_threads, (void)given_max;
     return 3;
 #endif
+}
+
+int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t *wp, const int32_t *colsum,
+                     const float *col_scale, int n, uint16_t *y, int num_threads) {
+    return int8_matmul_bf16_given_max(x, ldx, rows, k, wp, colsum, col_scale, n, y, num_threads, NULL);
 }
