@@ -117,14 +117,23 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        broken = False
         try:
             self.group.broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), 0).wait()
         except RuntimeError as exc:  # a worker already gone: nothing to tell it
             logger.warning("tensor parallel: stopping the workers: %s", exc)
+            broken = True
         for proc in self.workers:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()
+        # Stop gloo's threads and connections now, while the interpreter is whole: a server
+        # whose worker had been killed once aborted in interpreter teardown, after this ran
+        # ("terminate called without an active exception", status -6 instead of 1).
+        try:
+            self.group.abort() if broken else self.group.shutdown()
+        except RuntimeError as exc:
+            logger.warning("tensor parallel: closing the group: %s", exc)
 
 
 def _receive_step(group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, list[SeqSpan]] | None:

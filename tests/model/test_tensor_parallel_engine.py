@@ -106,8 +106,10 @@ def test_a_worker_that_dies_before_joining_fails_at_once(default_gguf, monkeypat
 
 
 def test_unsupported_combinations_are_refused():
-    with pytest.raises(ConfigError, match="deterministic mode"):
-        LLM(tensor_parallel_size=2, deterministic=True)
+    with pytest.raises(ConfigError, match="KV offload tiers"):
+        LLM(tensor_parallel_size=2, kv_offload_memory="1GiB")
+    with pytest.raises(ConfigError, match="self-drafting"):
+        LLM(tensor_parallel_size=2, speculative_config={"method": "self", "draft_layers": 4})
 
 
 def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
