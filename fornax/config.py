@@ -475,14 +475,8 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What the tensor-parallel engine does not do yet, refused up front."""
-        spec = self.speculative
-        refused = {
-            "KV offload tiers": self.offload.enabled or self.offload.swap,
-            "self-drafting": spec is not None and spec.method == "self",
-        }
-        named = [name for name, on in refused.items() if on]
-        if named:
-            raise ConfigError(f"tensor parallelism does not support {', '.join(named)} yet")
+        if self.offload.enabled or self.offload.swap:
+            raise ConfigError("tensor parallelism does not support KV offload tiers yet")
 
     def _check_deterministic(self) -> None:
         """What deterministic mode cannot promise, refused at construction rather than broken

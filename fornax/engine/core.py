@@ -97,7 +97,10 @@ class EngineCore:
             self.runner.kv_connector = connector
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
                                    swap=config.offload.swap)  # fmt: skip
-        self.spec = _build_spec(config, loaded, num_blocks, max_len, self.runner.attention_kernel)
+        self.spec = _build_spec(
+            config, loaded, num_blocks, max_len, self.runner.attention_kernel,
+            draft_step=None if tensor_parallel is None else tensor_parallel.send_draft_step,
+        )  # fmt: skip
         # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
         self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions
@@ -419,7 +422,12 @@ class EngineCore:
 
 
 def _build_spec(
-    config: EngineConfig, loaded: LoadedModel, num_blocks: int, max_len: int, kernel: object | None
+    config: EngineConfig,
+    loaded: LoadedModel,
+    num_blocks: int,
+    max_len: int,
+    kernel: object | None,
+    draft_step: Callable[[torch.Tensor, torch.Tensor, list], None] | None = None,
 ) -> SpecController | None:
     if config.speculative is None:
         return None
@@ -427,7 +435,16 @@ def _build_spec(
 
     assert config.small_step_max_rows is not None  # resolved as EngineConfig is built
     dtype, block_size, rows = DTYPES[config.dtype], config.cache.block_size, config.small_step_max_rows
-    target = TargetInfo(loaded, dtype, num_blocks, block_size, max_len, kernel, small_step_max_rows=rows)
+    target = TargetInfo(
+        loaded,
+        dtype,
+        num_blocks,
+        block_size,
+        max_len,
+        kernel,
+        small_step_max_rows=rows,
+        draft_step_to_ranks=draft_step,
+    )
     return SpecController.for_target(config.speculative, target)
 
 

@@ -33,10 +33,11 @@ from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model
 from fornax.models.llama import KVCache
 from fornax.models.tensor_parallel import connect_gloo_group, gloo_shard
+from fornax.spec_decode.self_draft import make_self_draft
 
 logger = logging.getLogger("fornax.engine")
 
-STEP, STOP = 0, 1  # header kinds
+STEP, STOP, DRAFT_STEP = 0, 1, 2  # header kinds (DRAFT_STEP: a self-draft's forward)
 HEADER = 4  # [kind, tokens, sequences, widest block table]
 
 
@@ -101,14 +102,21 @@ class TensorParallelGroup:
         """Rank 0 sized the KV cache; every rank allocates that many blocks for its own heads."""
         self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64), 0).wait()
 
-    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
+    def send_draft_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
+        """As send_step, for a self-draft's forward (spec_decode/self_draft.py): its layers are
+        the first of every rank's slice, and its KV pools each rank's own."""
+        self.send_step(input_ids, positions, spans, DRAFT_STEP)
+
+    def send_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan], kind: int = STEP
+    ) -> None:
         """What the workers need to run this step's forward with rank 0."""
         width = max(len(s.block_ids) for s in spans)
         tables = torch.full((len(spans), width), -1, dtype=torch.int32)
         for i, s in enumerate(spans):
             tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         shape = torch.tensor([[s.start, s.num_new] for s in spans], dtype=torch.int64)
-        header = torch.tensor([STEP, len(input_ids), len(spans), width], dtype=torch.int64)
+        header = torch.tensor([kind, len(input_ids), len(spans), width], dtype=torch.int64)
         for t in (header, input_ids.to(torch.int64), positions.to(torch.int64), shape, tables):
             self.group.broadcast(t.contiguous(), 0).wait()
 
@@ -136,7 +144,7 @@ class TensorParallelGroup:
             logger.warning("tensor parallel: closing the group: %s", exc)
 
 
-def _receive_step(group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
+def _receive_step(group: dist.ProcessGroup) -> tuple[int, torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
     header = torch.empty(HEADER, dtype=torch.int64)
     group.broadcast(header, 0).wait()
     kind, tokens, seqs, width = (int(x) for x in header)
@@ -149,7 +157,7 @@ def _receive_step(group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor,
     spans = []
     for (start, num_new), row in zip(shape.tolist(), tables.tolist()):
         spans.append(SeqSpan(start, num_new, [b for b in row if b >= 0]))
-    return input_ids, positions, spans
+    return kind, input_ids, positions, spans
 
 
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
@@ -171,18 +179,28 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         kernel = load_paged_attention() if config.kernel_backend == "native" else None
         kernel = kernel if kernel is not None and kernel.supports(dtype) else None
         model.use_ops(layer_ops(config.kernel_backend, dtype))
+        # A self-draft is built from this rank's slice as rank 0 builds its own (after use_ops,
+        # as the engine does), with a KV pool of its own layers: DRAFT_STEP runs it.
+        spec = config.speculative
+        draft, draft_kv = None, None
+        if spec is not None and spec.method == "self":
+            draft = make_self_draft(model, spec.draft_layers, spec.quantization)
+            draft_kv = KVCache(draft.config, int(num_blocks), cache.block_size, dtype)
         while (step := _receive_step(group)) is not None:
-            input_ids, positions, spans = step
+            kind, input_ids, positions, spans = step
+            runs, pool = (draft, draft_kv) if kind == DRAFT_STEP else (model, kv)
+            assert runs is not None and pool is not None, "a draft step without a self-draft"
             meta = build_attention_metadata(
                 spans,
                 cache.block_size,
                 local.sliding_window,
                 kernel,
                 local.interleaves_sliding_window,
-                deterministic=config.deterministic,
+                # the draft proposer builds its metadata in the default mode (draft_model.py)
+                deterministic=config.deterministic and kind != DRAFT_STEP,
             )
             with torch.inference_mode():
-                model(input_ids, positions, kv, meta)
+                runs(input_ids, positions, pool, meta)
     except RuntimeError as exc:  # rank 0 gone or a collective timed out: exit, do not linger
         logger.error("tensor parallel worker %d: %s", rank, exc)
         raise SystemExit(1) from exc

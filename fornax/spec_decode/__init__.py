@@ -65,6 +65,9 @@ class TargetInfo:
     max_model_len: int
     attention_kernel: object | None = None  # the target's native paged-attention kernel, if loaded
     small_step_max_rows: int = 0  # the engine's limit for small-step weight forms (EngineConfig)
+    # Tensor parallelism: tells the worker ranks to run a self-draft's step with this process
+    # (input ids, positions, spans), since the draft's layers are slices of the target's.
+    draft_step_to_ranks: Callable[[torch.Tensor, torch.Tensor, list], None] | None = None
 
 
 ProposerFactory = Callable[[SpeculativeConfig, TargetInfo], Proposer]

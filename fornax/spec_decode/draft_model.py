@@ -11,7 +11,7 @@ rejected guess never needs rolling back here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +51,10 @@ class DraftModelProposer:
         attention_kernel: PagedAttentionKernel | None = None,
         cost_per_token: float = 1.0,
         dense_fraction: float = 1.0,
+        step_to_ranks: Callable[[torch.Tensor, torch.Tensor, list[SeqSpan]], None] | None = None,
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
+        self.step_to_ranks = step_to_ranks  # a self-draft under tensor parallelism (TargetInfo)
         self.cost_per_token = cost_per_token  # one draft forward, relative to a target decode step
         # Catching up runs as a chunk on the dense weights: per token, the target's prefill cost
         # (~1/40 of a decode step here) scaled by the draft's share of the weights.
@@ -135,8 +137,10 @@ class DraftModelProposer:
         meta = build_attention_metadata(
             spans, self.block_size, window, kernel, self.config.interleaves_sliding_window
         )
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        hidden = self.model(input_ids, torch.from_numpy(positions), self.kv_cache, meta)  # [T, hidden]
+        input_ids, positions_t = torch.tensor(ids, dtype=torch.long), torch.from_numpy(positions)
+        if self.step_to_ranks is not None:
+            self.step_to_ranks(input_ids, positions_t, spans)
+        hidden = self.model(input_ids, positions_t, self.kv_cache, meta)  # [T, hidden]
         ends = torch.from_numpy(np.cumsum([s.num_new for s in spans]) - 1)
         return self.model.compute_logits(hidden[ends]).argmax(dim=-1)  # [len(spans)]
 

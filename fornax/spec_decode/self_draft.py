@@ -73,4 +73,12 @@ def _build(config: SpeculativeConfig, target: TargetInfo) -> DraftModelProposer:
         # about as much as the target's, not a third (docs/speculative-decoding.md).
         cost = layers
     shape = (target.num_blocks, target.block_size, target.dtype)
-    return DraftModelProposer(draft, draft.config, *shape, kernel, cost, dense_fraction=layers)
+    return DraftModelProposer(
+        draft,
+        draft.config,
+        *shape,
+        kernel,
+        cost,
+        dense_fraction=layers,
+        step_to_ranks=target.draft_step_to_ranks,
+    )

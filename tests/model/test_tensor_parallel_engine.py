@@ -1,7 +1,7 @@
 """The tensor-parallel engine (fornax/engine/tensor_parallel.py): LLM(tensor_parallel_size=2)
 runs the default model over two processes and gives the single process's greedy tokens, with
 logprobs within 1e-4, in float32, through prefix-cache hits, chunked prefill, preemption,
-n-gram speculation and a draft model; a worker that dies fails the engine with an error, not a hang."""
+n-gram speculation, a draft model and a self-draft; a worker that dies fails the engine with an error, not a hang."""
 
 from __future__ import annotations
 
@@ -63,13 +63,18 @@ def test_two_ranks_match_one_process(default_gguf):
     tp.engine.check_integrity()
 
 
-def test_a_draft_model_beside_two_ranks(default_gguf):
-    """Speculation with a draft model (the default model drafting for itself, so drafts are
-    accepted): the draft runs whole in the engine process, the target over the two ranks."""
-    config = {
-        **CONFIG,
-        "speculative_config": {**CONFIG["speculative_config"], "method": "draft", "model": str(default_gguf)},
-    }
+DRAFTS = {
+    # the default model drafting for itself, so drafts are accepted; it runs whole in the engine process
+    "draft model": {"method": "draft", "model": "smollm2-135m-instruct"},
+    # the target's first 20 of 30 layers: slices of every rank's, run by every rank in step
+    "self-draft": {"method": "self", "draft_layers": 20},
+}
+
+
+@pytest.mark.parametrize("draft", list(DRAFTS))
+def test_drafts_beside_two_ranks(default_gguf, draft):
+    """Speculation with a draft model or a self-draft: TP=1's greedy tokens and logprobs."""
+    config = {**CONFIG, "speculative_config": {**CONFIG["speculative_config"], **DRAFTS[draft]}}
     want = _generate(LLM(str(default_gguf), progress=False, **config))
     tp = LLM(str(default_gguf), progress=False, tensor_parallel_size=2, **config)
     got = _generate(tp)
@@ -108,8 +113,6 @@ def test_a_worker_that_dies_before_joining_fails_at_once(default_gguf, monkeypat
 def test_unsupported_combinations_are_refused():
     with pytest.raises(ConfigError, match="KV offload tiers"):
         LLM(tensor_parallel_size=2, kv_offload_memory="1GiB")
-    with pytest.raises(ConfigError, match="self-drafting"):
-        LLM(tensor_parallel_size=2, speculative_config={"method": "self", "draft_layers": 4})
 
 
 def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
