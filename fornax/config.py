@@ -475,8 +475,10 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What the tensor-parallel engine does not do yet, refused up front."""
-        if self.offload.enabled or self.offload.swap:
-            raise ConfigError("tensor parallelism does not support KV offload tiers yet")
+        if self.offload.disk_dir is not None:
+            raise ConfigError(
+                "tensor parallelism does not support the KV disk tier yet (the host tier works)"
+            )
 
     def _check_deterministic(self) -> None:
         """What deterministic mode cannot promise, refused at construction rather than broken

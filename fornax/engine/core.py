@@ -87,14 +87,14 @@ class EngineCore:
             deterministic=config.deterministic,
             tensor_parallel=tensor_parallel,
         )
-        if tensor_parallel is not None:
-            tensor_parallel.share_num_blocks(num_blocks)  # the workers allocate as many for their heads
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
             from fornax.engine.kv.offload.build import build_connector
 
             connector = build_connector(config, loaded)
             self.runner.kv_connector = connector
+        if tensor_parallel is not None:  # the workers allocate as many blocks and slots for their heads
+            tensor_parallel.share_sizes(num_blocks, 0 if connector is None else connector.num_host_slots)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
                                    swap=config.offload.swap)  # fmt: skip
         self.spec = _build_spec(

@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from fornax.config import EngineConfig
+from fornax.engine.kv.offload.build import host_block_layout
+from fornax.engine.kv.offload.connector import TransferPlan
+from fornax.engine.kv.offload.host_pool import HostPool
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
@@ -37,7 +40,8 @@ from fornax.spec_decode.self_draft import make_self_draft
 
 logger = logging.getLogger("fornax.engine")
 
-STEP, STOP, DRAFT_STEP = 0, 1, 2  # header kinds (DRAFT_STEP: a self-draft's forward)
+# header kinds: a forward; stop; a self-draft's forward; KV copies to and from the host tier
+STEP, STOP, DRAFT_STEP, TRANSFER = 0, 1, 2, 3
 HEADER = 4  # [kind, tokens, sequences, widest block table]
 
 
@@ -98,9 +102,22 @@ class TensorParallelGroup:
             raise result["error"]  # type: ignore[misc]
         return result["group"]  # type: ignore[return-value]
 
-    def share_num_blocks(self, num_blocks: int) -> None:
-        """Rank 0 sized the KV cache; every rank allocates that many blocks for its own heads."""
-        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.int64), 0).wait()
+    def share_sizes(self, num_blocks: int, host_slots: int) -> None:
+        """Rank 0 sized the KV cache and the host tier (0: none); every rank allocates that many
+        blocks and slots for its own heads, so one block table and one slot plan serve all."""
+        self.group.broadcast(torch.tensor([num_blocks, host_slots], dtype=torch.int64), 0).wait()
+
+    def send_transfers(self, plan: TransferPlan) -> None:
+        """A step's host-tier copies (engine/kv/offload), which every rank makes on its own heads'
+        blocks: saves (block -> slot), then loads (slot -> block), as rank 0's connector does."""
+        if plan.disk_loads or plan.writes:
+            raise RuntimeError("tensor parallelism has no disk tier: a plan with disk work reached it")
+        saves = torch.tensor(plan.saves, dtype=torch.int64).view(-1, 2)
+        loads = torch.tensor(plan.loads, dtype=torch.int64).view(-1, 2)
+        header = torch.tensor([TRANSFER, len(saves), len(loads), 0], dtype=torch.int64)
+        for t in (header, saves, loads):
+            if t.numel():
+                self.group.broadcast(t, 0).wait()
 
     def send_draft_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
         """As send_step, for a self-draft's forward (spec_decode/self_draft.py): its layers are
@@ -144,12 +161,24 @@ class TensorParallelGroup:
             logger.warning("tensor parallel: closing the group: %s", exc)
 
 
+def _receive_transfers(group: dist.ProcessGroup, num_saves: int, num_loads: int) -> list[torch.Tensor]:
+    copies = [torch.empty(num_saves, 2, dtype=torch.int64), torch.empty(num_loads, 2, dtype=torch.int64)]
+    for t in copies:
+        if t.numel():
+            group.broadcast(t, 0).wait()
+    return copies
+
+
 def _receive_step(group: dist.ProcessGroup) -> tuple[int, torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
+    """The next message: a (draft) step as (kind, ids, positions, spans); a transfer as
+    (TRANSFER, saves, loads, []); None for stop."""
     header = torch.empty(HEADER, dtype=torch.int64)
     group.broadcast(header, 0).wait()
     kind, tokens, seqs, width = (int(x) for x in header)
     if kind == STOP:
         return None
+    if kind == TRANSFER:
+        return (TRANSFER, *_receive_transfers(group, tokens, seqs), [])
     input_ids, positions = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int64)
     shape, tables = torch.empty(seqs, 2, dtype=torch.int64), torch.empty(seqs, width, dtype=torch.int32)
     for t in (input_ids, positions, shape, tables):
@@ -166,15 +195,17 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     torch.set_num_threads(config.threads_per_process())
     group = connect_gloo_group(init_method, rank, config.tensor_parallel_size, config.distributed_timeout)
     try:
-        num_blocks = torch.empty(1, dtype=torch.int64)
+        sizes = torch.empty(2, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
         loaded = load_engine_model(
             config, progress=False, shard=gloo_shard(group, rank, config.deterministic)
         )
-        group.broadcast(num_blocks, 0).wait()  # rank 0 sizes the cache; every rank holds as many blocks
+        group.broadcast(sizes, 0).wait()  # rank 0 sizes the cache and host tier; every rank holds as many
+        num_blocks, host_slots = (int(x) for x in sizes)
         local = loaded.local_config or loaded.config
         cache = config.cache
-        kv = KVCache(local, int(num_blocks), cache.block_size, dtype, cache.kv_cache_dtype)
+        kv = KVCache(local, num_blocks, cache.block_size, dtype, cache.kv_cache_dtype)
+        host = HostPool(host_block_layout(config, local), host_slots) if host_slots else None
         model = loaded.model
         kernel = load_paged_attention() if config.kernel_backend == "native" else None
         kernel = kernel if kernel is not None and kernel.supports(dtype) else None
@@ -185,9 +216,17 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         draft, draft_kv = None, None
         if spec is not None and spec.method == "self":
             draft = make_self_draft(model, spec.draft_layers, spec.quantization)
-            draft_kv = KVCache(draft.config, int(num_blocks), cache.block_size, dtype)
+            draft_kv = KVCache(draft.config, num_blocks, cache.block_size, dtype)
         while (step := _receive_step(group)) is not None:
             kind, input_ids, positions, spans = step
+            if kind == TRANSFER:  # input_ids, positions: the saves and loads
+                assert host is not None, "host-tier copies without a host tier"
+                saves, loads = input_ids.tolist(), positions.tolist()
+                if saves:
+                    host.save(kv.layers, [b for b, _ in saves], [slot for _, slot in saves])
+                if loads:
+                    host.load(kv.layers, [slot for slot, _ in loads], [b for _, b in loads])
+                continue
             runs, pool = (draft, draft_kv) if kind == DRAFT_STEP else (model, kv)
             assert runs is not None and pool is not None, "a draft step without a self-draft"
             meta = build_attention_metadata(

@@ -110,9 +110,32 @@ def test_a_worker_that_dies_before_joining_fails_at_once(default_gguf, monkeypat
     assert time.monotonic() - start < 20
 
 
-def test_unsupported_combinations_are_refused():
-    with pytest.raises(ConfigError, match="KV offload tiers"):
-        LLM(tensor_parallel_size=2, kv_offload_memory="1GiB")
+def test_host_kv_tier_beside_two_ranks(default_gguf):
+    """The host KV tier under TP: each rank copies its own heads' part of each block to and from
+    its host slots, by rank 0's plan. A pool too small for six sequences swaps them out to host
+    memory and back: TP=1's tokens and logprobs."""
+    prompts = [list(range(1000 + 40 * i, 1000 + 40 * i + 60 + 13 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+    config = {"dtype": "float32", "num_blocks": 20, "kv_offload_memory": "64MiB", "preemption_mode": "swap"}
+
+    def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+    want = run(LLM(str(default_gguf), progress=False, **config))
+    tp = LLM(str(default_gguf), progress=False, tensor_parallel_size=2, **config)
+    got = run(tp)
+    stats = tp.engine.scheduler.connector.stats()
+    assert stats.swapped_out > 0 and stats.bytes_from_host > 0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+    tp.engine.check_integrity()
+
+
+def test_unsupported_combinations_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="KV disk tier"):
+        LLM(tensor_parallel_size=2, kv_offload_memory="1GiB", kv_offload_dir=str(tmp_path))
 
 
 def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):

@@ -71,6 +71,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if sched.kv_transfers is not None:  # before the forward: it may write over saved blocks
             assert self.kv_connector is not None
+            if self.tensor_parallel is not None:  # each rank copies its own heads' part
+                self.tensor_parallel.send_transfers(sched.kv_transfers)
             self.kv_connector.start_load_kv(sched.kv_transfers, self.kv_cache)
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})

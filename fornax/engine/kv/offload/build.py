@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fornax.config import EngineConfig, fornax_home
+from fornax.config import EngineConfig, ModelConfig, fornax_home
 from fornax.engine.kv.offload.disk_store import DiskStore, file_digest, model_identity
 from fornax.engine.kv.offload.host_pool import BlockLayout
 from fornax.engine.kv.offload.tiered import TieredConnector
@@ -27,12 +27,19 @@ def weights_files(loaded: LoadedModel) -> list[Path]:
     return sorted(root.glob("*.safetensors")) + [p for p in (root / "config.json",) if p.exists()]
 
 
-def build_connector(config: EngineConfig, loaded: LoadedModel) -> TieredConnector:
-    offload, cache, mc = config.offload, config.cache, loaded.config
+def host_block_layout(config: EngineConfig, model: ModelConfig) -> BlockLayout:
+    """How the host tier stores one block of `model`'s KV (a tensor-parallel rank's: its heads)."""
     # The tier stores int8 rows when asked to, and always when the primary pool already does.
-    quantized = offload.dtype == "int8" or cache.kv_cache_dtype == "int8"
-    layout = BlockLayout(mc.num_hidden_layers, cache.block_size, mc.num_key_value_heads, mc.head_dim,
-                         DTYPES[config.dtype], quantized)  # fmt: skip
+    quantized = config.offload.dtype == "int8" or config.cache.kv_cache_dtype == "int8"
+    return BlockLayout(model.num_hidden_layers, config.cache.block_size, model.num_key_value_heads,
+                       model.head_dim, DTYPES[config.dtype], quantized)  # fmt: skip
+
+
+def build_connector(config: EngineConfig, loaded: LoadedModel) -> TieredConnector:
+    # a tensor-parallel rank's tier holds its own KV heads' part of each block
+    offload, cache, mc = config.offload, config.cache, loaded.local_config or loaded.config
+    layout = host_block_layout(config, mc)
+    quantized = layout.quantized
     host_blocks = offload.host_memory // layout.block_bytes
     if host_blocks < 1:
         raise ValueError(f"--kv-offload-memory {offload.host_memory} bytes holds no block "

@@ -80,6 +80,7 @@ class TieredConnector(KVConnector):
         enable_prefix_caching: bool,
     ) -> None:
         self.layout, self.block_size = layout, layout.block_size
+        self.num_host_slots = host_blocks
         self.index = HostIndex(host_blocks)
         self.pool = HostPool(layout, host_blocks)
         self.disk = disk
