@@ -73,7 +73,7 @@ class TensorParallelGroup:
                 proc.start()
                 self.workers.append(proc)
         self.group = self._connect(init, config.distributed_timeout)
-        self.shard = gloo_shard(self.group, 0, config.deterministic)  # rank 0's slice is this process's
+        self.shard = gloo_shard(self.group, 0, exact=config.deterministic)  # rank 0's slice is this process's
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
 
@@ -198,7 +198,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         sizes = torch.empty(2, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
         loaded = load_engine_model(
-            config, progress=False, shard=gloo_shard(group, rank, config.deterministic)
+            config, progress=False, shard=gloo_shard(group, rank, exact=config.deterministic)
         )
         group.broadcast(sizes, 0).wait()  # rank 0 sizes the cache and host tier; every rank holds as many
         num_blocks, host_slots = (int(x) for x in sizes)

@@ -23,9 +23,11 @@ from fornax.models.tensor_parallel import (
     Cut,
     Shard,
     install_all_reduce,
+    install_gathers,
     plan_shards,
     row_parallel_linears,
     shard_cuts,
+    split_row_layers_by_output,
 )
 
 # HF architecture name -> implementation. The Llama family shares one implementation
@@ -110,18 +112,22 @@ def load_model(
     if shard is not None:  # read only this rank's parts of the file (models/tensor_parallel.py)
 
         def cuts_for(config: ModelConfig) -> dict[str, Cut]:
-            return shard_cuts(config, plan_shards(config, shard.world)[shard.rank])
+            return shard_cuts(config, plan_shards(config, shard.world)[shard.rank], shard.exact)
 
     weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto, cuts_for=cuts_for)
     cls = ARCHITECTURES[weights.config.architecture]
     model_config = weights.config
-    if shard is not None:
-        model_config = plan_shards(weights.config, shard.world)[shard.rank].local_config(weights.config)
+    plan = None if shard is None else plan_shards(weights.config, shard.world)[shard.rank]
+    if plan is not None:
+        model_config = plan.local_config(weights.config)
     # Built straight on the CPU: the modules allocate their weights with torch.empty (no
     # initialisation to overwrite). Not on the meta device: materialising meta tensors goes
     # through torch's Python reference ops, which import sympy and torch.fx (~30 MiB held for
     # the process's life, docs/memory.md).
     model = cls(model_config, torch_dtype)
+    if shard is not None and shard.exact:
+        assert plan is not None
+        split_row_layers_by_output(model, weights.config, plan, torch_dtype)
     with torch.no_grad():
         model.load_weights(weights.tensors)
     model.eval()
@@ -137,7 +143,9 @@ def load_model(
     if large_step is not None and large_step[0] == "w8a8":
         # a rank's row-parallel projections hold slices of each int8 row: their scales come
         # from the whole row (a max across the ranks), as one process would round them
-        cut_rows = {id(x) for x in row_parallel_linears(model)} if shard is not None else set()
+        cut_rows = (
+            {id(x) for x in row_parallel_linears(model)} if shard is not None and not shard.exact else set()
+        )
         for linear in linears:
             whole_row_max = shard.all_reduce_max if shard is not None and id(linear) in cut_rows else None
             linear.set_large_step_int8(large_step[1], kernel_backend, whole_row_max)
@@ -162,7 +170,10 @@ def load_model(
     if not keep_dense_weights:
         for linear in linears:
             linear.release_dense_weight()
-    if shard is not None:
+    if shard is not None and shard.exact:
+        assert shard.all_gather is not None
+        install_gathers(model, weights.config, shard.world, shard.all_gather)
+    elif shard is not None:
         install_all_reduce(model, shard.all_reduce)
     embedding_from_file(model, weights)
     weights.tensors.clear()  # the model holds what it needs; the rest goes before packing

@@ -10,6 +10,10 @@ hidden states and the same logits. A rank's model is the ordinary model class bu
 slice's sizes (`ShardPlan.local_config`), so the kernels, the paged KV cache (a rank holds its
 KV heads only) and the weight forms are those of a single process.
 
+Deterministic mode uses another layout for O and down (Shard.exact): split by output channel,
+each over its whole input gathered from the ranks, so that every value is computed as one
+process computes it and the ranks give one process's bits.
+
 Heads are split by KV group, never inside one where it can be avoided: with at least as many
 KV heads as ranks, ranks take whole groups (unevenly when the count does not divide: the
 default model's 3 KV heads over 2 ranks are 2 + 1 groups); with fewer, each KV head is
@@ -40,16 +44,29 @@ AllReduce = Callable[[torch.Tensor], None]  # a sum (or max) of a tensor across 
 QUANT_BLOCK = 32  # the values per scale of the int4/int8 forms and of GGUF's Q4_0/Q8_0 blocks
 
 
+# Concatenates each rank's [T, n_r] along the last dimension, in rank order: (tensor, [n_r]).
+AllGather = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Shard:
-    """What load_model needs to build one rank's slice: which rank of how many, and the two
-    collectives its layers call (a sum after each row-parallel projection; a maximum that gives
-    the w8a8 form's per-row scales the whole row's range, layers/linear.py Int8Rotated)."""
+    """What load_model needs to build one rank's slice: which rank of how many, and the
+    collectives its layers call: a sum after each row-parallel projection; a maximum that gives
+    the w8a8 form's per-row scales the whole row's range (layers/linear.py Int8Rotated); and,
+    in the exact layout, a gather.
+
+    exact (deterministic mode): O and down are split by output channel instead of input, and
+    each takes the whole input, gathered from the ranks; their outputs are gathered too. Every
+    output value is then computed over its whole row by the kernels one process runs, in the
+    same order, so the ranks give one process's bits, at two gathers per projection instead of
+    one sum (docs/tensor-parallel.md)."""
 
     rank: int
     world: int
     all_reduce: AllReduce
     all_reduce_max: AllReduce
+    all_gather: AllGather | None = None
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,7 @@ class ShardPlan:
     q_heads: range
     kv_heads: range
     intermediate: range
+    hidden: range  # the output channels of O and down in the exact layout (Shard.exact)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The model config of this rank's slice (head_dim and hidden size unchanged)."""
@@ -105,20 +123,22 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     # columns of down then hold exactly the blocks the whole matrix would (int4/int8 forms)
     unit = QUANT_BLOCK if inter % QUANT_BLOCK == 0 and inter // QUANT_BLOCK >= world else 1
     mlp = [range(r.start * unit, r.stop * unit) for r in _even_ranges(inter // unit, world)]
-    return [ShardPlan(r, world, q_ranges[r], kv_ranges[r], mlp[r]) for r in range(world)]
+    hidden = _even_ranges(config.hidden_size, world)
+    return [ShardPlan(r, world, q_ranges[r], kv_ranges[r], mlp[r], hidden[r]) for r in range(world)]
 
 
 # What one rank reads of a tensor: (axis, start, stop), rows (0) or columns (1) [start, stop).
 Cut = tuple[int, int, int]
 
 
-def shard_cuts(config: ModelConfig, plan: ShardPlan) -> dict[str, Cut]:
+def shard_cuts(config: ModelConfig, plan: ShardPlan, exact: bool = False) -> dict[str, Cut]:
     """The HF-named tensors a rank holds a part of, and which part: its heads' rows of q/k/v (and
-    their biases), its heads' columns of o, its channels' rows of gate/up and columns of down.
-    Every other tensor is whole on every rank. The loaders read only these parts from the
-    memory-mapped file where its blocks allow (models/loader.py)."""
+    their biases), its heads' columns of o, its channels' rows of gate/up and columns of down
+    (exact: o's and down's rows of the rank's hidden channels instead). Every other tensor is
+    whole on every rank. The loaders read only these parts from the memory-mapped file where
+    its blocks allow (models/loader.py)."""
     d = config.head_dim
-    q, kv, mlp = plan.q_heads, plan.kv_heads, plan.intermediate
+    q, kv, mlp, out = plan.q_heads, plan.kv_heads, plan.intermediate, plan.hidden
     cuts: dict[str, Cut] = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -128,6 +148,8 @@ def shard_cuts(config: ModelConfig, plan: ShardPlan) -> dict[str, Cut]:
         cuts[f"{p}self_attn.o_proj.weight"] = (1, q.start * d, q.stop * d)
         cuts[f"{p}mlp.gate_proj.weight"] = cuts[f"{p}mlp.up_proj.weight"] = (0, mlp.start, mlp.stop)
         cuts[f"{p}mlp.down_proj.weight"] = (1, mlp.start, mlp.stop)
+        if exact:
+            cuts[f"{p}self_attn.o_proj.weight"] = cuts[f"{p}mlp.down_proj.weight"] = (0, out.start, out.stop)
     return cuts
 
 
@@ -138,10 +160,10 @@ def take_cut(t: Any, cut: Cut) -> Any:
 
 
 def shard_tensors(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, plan: ShardPlan
+    tensors: dict[str, torch.Tensor], config: ModelConfig, plan: ShardPlan, exact: bool = False
 ) -> dict[str, torch.Tensor]:
     """One rank's HF-named tensors, cut from the whole model's (shard_cuts)."""
-    cuts = shard_cuts(config, plan)
+    cuts = shard_cuts(config, plan, exact)
     return {k: take_cut(v, cuts[k]).contiguous() if k in cuts else v for k, v in tensors.items()}
 
 
@@ -163,6 +185,37 @@ def install_all_reduce(model: nn.Module, all_reduce: AllReduce) -> None:
 
     for linear in row_parallel_linears(model):
         linear.register_forward_hook(hook)
+
+
+def split_row_layers_by_output(
+    model: nn.Module, config: ModelConfig, plan: ShardPlan, dtype: torch.dtype
+) -> None:
+    """The exact layout (Shard.exact): O and down as Linears over the whole input and the rank's
+    hidden channels, in place of the input-split ones the model class built (before loading)."""
+    d, width = config.head_dim, len(plan.hidden)
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.self_attn.o_proj = Linear(config.num_attention_heads * d, width, False, dtype)
+        layer.mlp.down_proj = Linear(config.intermediate_size, width, False, dtype)
+
+
+def install_gathers(model: nn.Module, config: ModelConfig, world: int, all_gather: AllGather) -> None:
+    """The exact layout's collectives: each O / down gathers its input (every rank's heads or
+    channels, in order) before it runs and its output (every rank's hidden channels) after."""
+    plans = plan_shards(config, world)
+    head_widths = [len(p.q_heads) * config.head_dim for p in plans]
+    channel_widths = [len(p.intermediate) for p in plans]
+    hidden_widths = [len(p.hidden) for p in plans]
+
+    def gather_input(widths: list[int]) -> Callable[[nn.Module, tuple[torch.Tensor]], tuple[torch.Tensor]]:
+        return lambda _module, args: (all_gather(args[0], widths),)
+
+    def gather_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        return all_gather(output, hidden_widths)
+
+    for layer in model.layers:  # type: ignore[union-attr]
+        for linear, widths in ((layer.self_attn.o_proj, head_widths), (layer.mlp.down_proj, channel_widths)):
+            linear.register_forward_pre_hook(gather_input(widths))
+            linear.register_forward_hook(gather_output)
 
 
 def build_shard(
@@ -195,28 +248,28 @@ def connect_gloo_group(init_method: str, rank: int, world: int, timeout_s: float
     return dist.ProcessGroupGloo(store, rank, world, timeout)  # it keeps the store alive
 
 
-def gloo_all_reduce(group: dist.ProcessGroup, fixed_order: bool = False) -> AllReduce:
-    """A sum over `group`, in place. fixed_order (deterministic mode): every element summed in
-    rank order whatever the tensor's size. Gloo's own sum over more than two ranks goes round a
-    ring in chunks cut by the tensor's size, so an element's order of addition would follow the
-    step's row count; two ranks add a + b either way (one commutative addition)."""
-    world = group.size()
-    if not fixed_order or world <= 2:
+def gloo_all_reduce(group: dist.ProcessGroup) -> AllReduce:
+    """A sum over `group`, in place."""
 
-        def all_reduce(t: torch.Tensor) -> None:
-            group.allreduce(t).wait()
+    def all_reduce(t: torch.Tensor) -> None:
+        group.allreduce(t).wait()
 
-        return all_reduce
+    return all_reduce
 
-    def gather_then_sum(t: torch.Tensor) -> None:
-        parts = [torch.empty_like(t) for _ in range(world)]
+
+def gloo_all_gather(group: dist.ProcessGroup) -> AllGather:
+    """Each rank's [T, n_r] concatenated in rank order along the last dimension (gloo's gather
+    takes equal sizes: each part is padded to the widest and cut back)."""
+
+    def all_gather(t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        widest = max(widths)
+        if t.shape[-1] < widest:
+            t = torch.nn.functional.pad(t, (0, widest - t.shape[-1]))
+        parts = [torch.empty_like(t) for _ in widths]
         group.allgather([parts], [t.contiguous()]).wait()
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        t.copy_(total)
+        return torch.cat([part[..., :w] for part, w in zip(parts, widths)], dim=-1)
 
-    return gather_then_sum
+    return all_gather
 
 
 def gloo_all_reduce_max(group: dist.ProcessGroup) -> AllReduce:
@@ -230,6 +283,8 @@ def gloo_all_reduce_max(group: dist.ProcessGroup) -> AllReduce:
     return all_reduce_max
 
 
-def gloo_shard(group: dist.ProcessGroup, rank: int, deterministic: bool = False) -> Shard:
-    """Rank `rank`'s Shard over `group` (deterministic: the fixed-order sum)."""
-    return Shard(rank, group.size(), gloo_all_reduce(group, deterministic), gloo_all_reduce_max(group))
+def gloo_shard(group: dist.ProcessGroup, rank: int, exact: bool = False) -> Shard:
+    """Rank `rank`'s Shard over `group` (exact: deterministic mode's layout, Shard.exact)."""
+    return Shard(
+        rank, group.size(), gloo_all_reduce(group), gloo_all_reduce_max(group), gloo_all_gather(group), exact
+    )

@@ -9,6 +9,7 @@ of a GGUF file."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -116,6 +117,29 @@ def test_four_ranks_replicate_kv_heads(tiny_sources, tmp_path):
         torch.testing.assert_close(logits, single, atol=1e-4, rtol=0, msg=lambda m, r=r: f"rank {r}: {m}")
 
 
+@pytest.mark.parametrize(("arch", "world"), [("llama", 4), ("gemma3", 2)])
+def test_exact_layout_gives_one_process_bits(tiny_sources, arch, world):
+    """Deterministic mode's layout (O and down split by output channel over gathered inputs):
+    the engine over `world` ranks gives the single process's tokens and logprobs bit for bit,
+    float32, KV heads replicated at 4 ranks (2 KV heads)."""
+    from fornax import LLM, SamplingParams
+
+    args = {"dtype": "float32", "deterministic": True, "progress": False}
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:7] * 3]
+
+    def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params)]  # fmt: skip
+
+    want = run(LLM(tiny_sources[arch], **args))
+    tp = LLM(tiny_sources[arch], tensor_parallel_size=world, **args)
+    try:
+        assert run(tp) == want
+    finally:
+        tp.engine.runner.tensor_parallel.close()
+
+
 def _config(heads: int, kv_heads: int, inter: int = 1536) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM",
@@ -160,15 +184,16 @@ def test_plan_refuses_splits_that_break_a_group():
 def test_a_rank_reads_its_parts_of_the_gguf(default_gguf):
     """What each rank reads of the default model's file (its Q4_1 blocks cut on block
     boundaries, never dequantized whole) equals the whole model's tensors cut afterwards, and
-    so do the int4 blocks `--quantization auto` builds its forms from."""
+    so do the int4 blocks `--quantization auto` builds its forms from; in both layouts (O and
+    down cut by input, or by output channel: Shard.exact)."""
     source = resolve_model(str(default_gguf))
     whole = load_weights(source, torch.float32, progress=False, keep_int4_blocks=True)
-    for plan in plan_shards(whole.config, 2):
-        cuts = shard_cuts(whole.config, plan)
+    for plan, exact in itertools.product(plan_shards(whole.config, 2), (False, True)):
+        cuts = shard_cuts(whole.config, plan, exact)
         part = load_weights(
-            source, torch.float32, progress=False, keep_int4_blocks=True, cuts_for=_cuts(2, plan.rank)
+            source, torch.float32, progress=False, keep_int4_blocks=True, cuts_for=lambda c, cuts=cuts: cuts
         )
-        want = shard_tensors(whole.tensors, whole.config, plan)
+        want = shard_tensors(whole.tensors, whole.config, plan, exact)
         assert want.keys() == part.tensors.keys()
         for name, tensor in want.items():
             assert torch.equal(part.tensors[name], tensor), name
@@ -198,29 +223,3 @@ def test_a_cut_inside_the_files_blocks(gemma3_gguf):
         values = dequantize(raw, down.qtype)
         values = take_cut(values, after) if after is not None else values
         assert (values == take_cut(whole, cut)).all()
-
-
-def _sum_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    group = connect_gloo_group(f"tcp://127.0.0.1:{port}", rank, world, 60)
-    reduce = gloo_all_reduce(group, fixed_order=True)
-    for rows in (1, 7, 512):
-        t = _addend(rank, rows)
-        reduce(t)
-        torch.save(t, os.path.join(out_dir, f"{rows}.rank{rank}.pt"))
-
-
-def _addend(rank: int, rows: int) -> torch.Tensor:
-    return torch.randn(rows, 576, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16) * 10**rank
-
-
-def test_fixed_order_sum_over_three_ranks(tmp_path):
-    """Deterministic mode's all-reduce: over three ranks, every element is rank 0's + rank 1's +
-    rank 2's in that order (bf16, so the order shows), at one row as at 512."""
-    world = 3
-    mp.spawn(_sum_main, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    for rows in (1, 7, 512):
-        parts = [_addend(r, rows) for r in range(world)]
-        want = parts[0] + parts[1] + parts[2]
-        assert not torch.equal(want, parts[2] + parts[1] + parts[0])  # the order matters here
-        for r in range(world):
-            assert torch.equal(torch.load(tmp_path / f"{rows}.rank{r}.pt"), want), (rows, r)
