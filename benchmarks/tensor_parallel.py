@@ -20,7 +20,7 @@ import time
 import torch
 
 from fornax import LLM, SamplingParams
-from fornax.models.tensor_parallel import connect_gloo_group, gloo_all_reduce
+from fornax.models.tensor_parallel import connect_gloo_groups, gloo_all_reduce
 
 HIDDEN = 576  # the default model's hidden size
 PROMPT = "Write a long story about a lighthouse keeper and a storm. " * 3
@@ -51,7 +51,7 @@ def _port() -> int:
 
 def _reduce_rank(rank: int, port: int, rows: list[int], out: mp.Queue) -> None:
     torch.set_num_threads(1)
-    reduce = gloo_all_reduce(connect_gloo_group(f"tcp://127.0.0.1:{port}", rank, 2, 60))
+    reduce = gloo_all_reduce(connect_gloo_groups(f"tcp://127.0.0.1:{port}", rank, 2, 60)[0])
     for n in rows:
         t = torch.randn(n, HIDDEN).bfloat16()
         for _ in range(20):  # warm-up

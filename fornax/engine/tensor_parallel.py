@@ -9,9 +9,10 @@ Each worker builds the same attention metadata from them and runs its slice; the
 inside the layers pair the ranks' forwards. The LM head is replicated, so logits and sampling
 stay in the engine process and nothing comes back per step.
 
-Every collective has the group's timeout: a worker that dies makes rank 0's next broadcast or
-all-reduce fail (or time out), which the engine loop turns into failed requests, /health 503
-and an exit (docs/reliability.md), never a hang.
+Every collective of a step has the group's timeout: a worker that dies makes rank 0's next
+broadcast or all-reduce fail (or time out), which the engine loop turns into failed requests,
+/health 503 and an exit (docs/reliability.md), never a hang. Only the wait for the next
+message's header has none (a second group): an idle engine sends nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model
 from fornax.models.llama import KVCache
-from fornax.models.tensor_parallel import connect_gloo_group, gloo_shard
+from fornax.models.tensor_parallel import connect_gloo_groups, gloo_shard
 from fornax.spec_decode.self_draft import make_self_draft
 
 logger = logging.getLogger("fornax.engine")
@@ -72,19 +73,20 @@ class TensorParallelGroup:
                 )
                 proc.start()
                 self.workers.append(proc)
-        self.group = self._connect(init, config.distributed_timeout)
+        # group: a step's collectives (with the timeout); waiting: only the next message's header
+        self.group, self.waiting = self._connect(init, config.distributed_timeout)
         self.shard = gloo_shard(self.group, 0, exact=config.deterministic)  # rank 0's slice is this process's
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
 
-    def _connect(self, init: str, timeout_s: float) -> dist.ProcessGroup:
+    def _connect(self, init: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """Meet the workers at `init`. A spawned worker that exits before it joins (an import
         or start-up failure) fails this at once rather than after the store's timeout."""
         result: dict[str, object] = {}
 
         def connect() -> None:
             try:
-                result["group"] = connect_gloo_group(init, 0, self.world, timeout_s)
+                result["groups"] = connect_gloo_groups(init, 0, self.world, timeout_s)
             except Exception as exc:  # handed to the waiting thread below
                 result["error"] = exc
 
@@ -100,7 +102,7 @@ class TensorParallelGroup:
                 )
         if "error" in result:
             raise result["error"]  # type: ignore[misc]
-        return result["group"]  # type: ignore[return-value]
+        return result["groups"]  # type: ignore[return-value]
 
     def share_sizes(self, num_blocks: int, host_slots: int) -> None:
         """Rank 0 sized the KV cache and the host tier (0: none); every rank allocates that many
@@ -114,8 +116,10 @@ class TensorParallelGroup:
             raise RuntimeError("tensor parallelism has no disk tier: a plan with disk work reached it")
         saves = torch.tensor(plan.saves, dtype=torch.int64).view(-1, 2)
         loads = torch.tensor(plan.loads, dtype=torch.int64).view(-1, 2)
-        header = torch.tensor([TRANSFER, len(saves), len(loads), 0], dtype=torch.int64)
-        for t in (header, saves, loads):
+        self.waiting.broadcast(
+            torch.tensor([TRANSFER, len(saves), len(loads), 0], dtype=torch.int64), 0
+        ).wait()
+        for t in (saves, loads):
             if t.numel():
                 self.group.broadcast(t, 0).wait()
 
@@ -133,8 +137,10 @@ class TensorParallelGroup:
         for i, s in enumerate(spans):
             tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         shape = torch.tensor([[s.start, s.num_new] for s in spans], dtype=torch.int64)
-        header = torch.tensor([kind, len(input_ids), len(spans), width], dtype=torch.int64)
-        for t in (header, input_ids.to(torch.int64), positions.to(torch.int64), shape, tables):
+        self.waiting.broadcast(
+            torch.tensor([kind, len(input_ids), len(spans), width], dtype=torch.int64), 0
+        ).wait()
+        for t in (input_ids.to(torch.int64), positions.to(torch.int64), shape, tables):
             self.group.broadcast(t.contiguous(), 0).wait()
 
     def close(self) -> None:
@@ -144,7 +150,7 @@ class TensorParallelGroup:
         self.closed = True
         broken = False
         try:
-            self.group.broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), 0).wait()
+            self.waiting.broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), 0).wait()
         except RuntimeError as exc:  # a worker already gone: nothing to tell it
             logger.warning("tensor parallel: stopping the workers: %s", exc)
             broken = True
@@ -155,10 +161,11 @@ class TensorParallelGroup:
         # Stop gloo's threads and connections now, while the interpreter is whole: a server
         # whose worker had been killed once aborted in interpreter teardown, after this ran
         # ("terminate called without an active exception", status -6 instead of 1).
-        try:
-            self.group.abort() if broken else self.group.shutdown()
-        except RuntimeError as exc:
-            logger.warning("tensor parallel: closing the group: %s", exc)
+        for group in (self.group, self.waiting):
+            try:
+                group.abort() if broken else group.shutdown()
+            except RuntimeError as exc:
+                logger.warning("tensor parallel: closing the group: %s", exc)
 
 
 def _receive_transfers(group: dist.ProcessGroup, num_saves: int, num_loads: int) -> list[torch.Tensor]:
@@ -169,11 +176,14 @@ def _receive_transfers(group: dist.ProcessGroup, num_saves: int, num_loads: int)
     return copies
 
 
-def _receive_step(group: dist.ProcessGroup) -> tuple[int, torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
+def _receive_step(
+    group: dist.ProcessGroup, waiting: dist.ProcessGroup
+) -> tuple[int, torch.Tensor, torch.Tensor, list[SeqSpan]] | None:
     """The next message: a (draft) step as (kind, ids, positions, spans); a transfer as
-    (TRANSFER, saves, loads, []); None for stop."""
+    (TRANSFER, saves, loads, []); None for stop. Its header comes on `waiting`, which has no
+    timeout to speak of (an engine may sit idle for hours); the rest on `group`."""
     header = torch.empty(HEADER, dtype=torch.int64)
-    group.broadcast(header, 0).wait()
+    waiting.broadcast(header, 0).wait()
     kind, tokens, seqs, width = (int(x) for x in header)
     if kind == STOP:
         return None
@@ -193,7 +203,9 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     """A worker rank: its slice of the model and of the KV pools, then steps until told to stop.
     Also what `fornax worker` runs on another machine."""
     torch.set_num_threads(config.threads_per_process())
-    group = connect_gloo_group(init_method, rank, config.tensor_parallel_size, config.distributed_timeout)
+    group, waiting = connect_gloo_groups(
+        init_method, rank, config.tensor_parallel_size, config.distributed_timeout
+    )
     try:
         sizes = torch.empty(2, dtype=torch.int64)
         dtype = DTYPES[config.dtype]
@@ -217,7 +229,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         if spec is not None and spec.method == "self":
             draft = make_self_draft(model, spec.draft_layers, spec.quantization)
             draft_kv = KVCache(draft.config, num_blocks, cache.block_size, dtype)
-        while (step := _receive_step(group)) is not None:
+        while (step := _receive_step(group, waiting)) is not None:
             kind, input_ids, positions, spans = step
             if kind == TRANSFER:  # input_ids, positions: the saves and loads
                 assert host is not None, "host-tier copies without a host tier"

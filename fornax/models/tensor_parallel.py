@@ -236,16 +236,28 @@ def build_shard(
     return model
 
 
-def connect_gloo_group(init_method: str, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of its own, met at `init_method` (tcp://host:port; rank 0 listens there), not
-    torch.distributed's default group: several engines may live in one process. Every
-    collective on it gives up after `timeout_s` seconds."""
+# How long a rank waits for rank 0's next message: an idle engine sends none, so this is no
+# failure bound (a rank that dies closes its connections, which every wait sees at once).
+IDLE_WAIT = timedelta(days=365)
+
+
+def connect_gloo_groups(
+    init_method: str, rank: int, world: int, timeout_s: float
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Two gloo groups of their own over the same ranks, met at `init_method` (tcp://host:port;
+    rank 0 listens there), not torch.distributed's default group (several engines may live in
+    one process): one for a step's collectives, each of which gives up after `timeout_s`
+    seconds, and one that only carries rank 0's next-message header, on which the workers wait
+    as long as the engine stays idle."""
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"distributed init must be tcp://host:port, got {init_method!r}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)  # it keeps the store alive
+    # each group keeps its (prefixed view of the) store alive
+    steps = dist.ProcessGroupGloo(dist.PrefixStore("steps", store), rank, world, timeout)
+    waiting = dist.ProcessGroupGloo(dist.PrefixStore("waiting", store), rank, world, IDLE_WAIT)
+    return steps, waiting
 
 
 def gloo_all_reduce(group: dist.ProcessGroup) -> AllReduce:

@@ -29,7 +29,7 @@ from fornax.models.loader import CutsFor, read_cut
 from fornax.models.registry import resolve_model
 from fornax.models.tensor_parallel import (
     build_shard,
-    connect_gloo_group,
+    connect_gloo_groups,
     gloo_all_reduce,
     plan_shards,
     shard_cuts,
@@ -71,7 +71,7 @@ def _cuts(world: int, rank: int) -> CutsFor:
 
 def _rank_main(rank: int, world: int, port: int, sources: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)  # one thread per rank: the ranks share this machine's cores
-    group = connect_gloo_group(f"tcp://127.0.0.1:{port}", rank, world, 120)
+    group, _ = connect_gloo_groups(f"tcp://127.0.0.1:{port}", rank, world, 120)
     for i, source in enumerate(sources):
         torch.save(_logits(source, world, rank, group), os.path.join(out_dir, f"{i}.rank{rank}.pt"))
 

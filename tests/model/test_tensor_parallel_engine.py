@@ -84,6 +84,19 @@ def test_drafts_beside_two_ranks(default_gguf, draft):
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
 
 
+def test_an_idle_engine_keeps_its_workers(default_gguf):
+    """Longer idle than the collective timeout: the workers wait for the next step without one."""
+    llm = LLM(
+        str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=2
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = llm.generate(["Hello"], params)[0].outputs[0].token_ids
+    time.sleep(4)
+    assert llm.generate(["Hello"], params)[0].outputs[0].token_ids == first
+    (worker,) = llm.engine.runner.tensor_parallel.workers
+    assert worker.is_alive()
+
+
 def test_a_dead_worker_fails_the_engine(default_gguf):
     llm = LLM(
         str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=20
