@@ -6,7 +6,7 @@ processes, by rows.
 Prints single-stream decode tok/s, an 8-request batch's output tok/s and a 512-token prefill's
 tok/s for each size (medians over rounds), and microseconds per all-reduce.
 
-    .venv/bin/python benchmarks/tensor_parallel.py --rounds 3
+    .venv/bin/python benchmarks/tensor_parallel.py --rounds 3 [--deterministic]
 """
 
 from __future__ import annotations
@@ -80,10 +80,21 @@ def _all_reduce_us(rows: list[int]) -> list[tuple[int, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="both sizes in deterministic mode (TP's exact layout: two gathers per projection)",
+    )
     args = ap.parse_args()
     # no prefix cache: every round computes its prompts again
     engines = {
-        size: LLM(progress=False, tensor_parallel_size=size, enable_prefix_caching=False) for size in (1, 2)
+        size: LLM(
+            progress=False,
+            tensor_parallel_size=size,
+            enable_prefix_caching=False,
+            deterministic=args.deterministic,
+        )
+        for size in (1, 2)
     }
     runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
     for round_ in range(args.rounds):
