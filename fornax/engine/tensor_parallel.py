@@ -23,6 +23,7 @@ import multiprocessing as mp
 import socket
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,8 @@ class TensorParallelGroup:
                 self.workers.append(proc)
         # group: a step's collectives (with the timeout); waiting: only the next message's header
         self.group, self.waiting = self._connect(init, config.distributed_timeout)
+        # rank 0's own bound on sending a header: a worker that is alive but stuck never takes it
+        self.timeout = timedelta(seconds=config.distributed_timeout)
         self.shard = gloo_shard(self.group, 0, exact=config.deterministic)  # rank 0's slice is this process's
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
@@ -116,12 +119,15 @@ class TensorParallelGroup:
             raise RuntimeError("tensor parallelism has no disk tier: a plan with disk work reached it")
         saves = torch.tensor(plan.saves, dtype=torch.int64).view(-1, 2)
         loads = torch.tensor(plan.loads, dtype=torch.int64).view(-1, 2)
-        self.waiting.broadcast(
-            torch.tensor([TRANSFER, len(saves), len(loads), 0], dtype=torch.int64), 0
-        ).wait()
+        self._send_header(TRANSFER, len(saves), len(loads), 0)
         for t in (saves, loads):
             if t.numel():
                 self.group.broadcast(t, 0).wait()
+
+    def _send_header(self, *header: int) -> None:
+        """The next message's header, on the group the workers wait on without a timeout; the
+        send itself is bounded here (it completes only when every worker takes it)."""
+        self.waiting.broadcast(torch.tensor(header, dtype=torch.int64), 0).wait(self.timeout)
 
     def send_draft_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
         """As send_step, for a self-draft's forward (spec_decode/self_draft.py): its layers are
@@ -137,9 +143,7 @@ class TensorParallelGroup:
         for i, s in enumerate(spans):
             tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         shape = torch.tensor([[s.start, s.num_new] for s in spans], dtype=torch.int64)
-        self.waiting.broadcast(
-            torch.tensor([kind, len(input_ids), len(spans), width], dtype=torch.int64), 0
-        ).wait()
+        self._send_header(kind, len(input_ids), len(spans), width)
         for t in (input_ids.to(torch.int64), positions.to(torch.int64), shape, tables):
             self.group.broadcast(t.contiguous(), 0).wait()
 
@@ -150,7 +154,7 @@ class TensorParallelGroup:
         self.closed = True
         broken = False
         try:
-            self.waiting.broadcast(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), 0).wait()
+            self._send_header(STOP, 0, 0, 0)
         except RuntimeError as exc:  # a worker already gone: nothing to tell it
             logger.warning("tensor parallel: stopping the workers: %s", exc)
             broken = True

@@ -5,6 +5,8 @@ n-gram speculation, a draft model and a self-draft; a worker that dies fails the
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +97,24 @@ def test_an_idle_engine_keeps_its_workers(default_gguf):
     assert llm.generate(["Hello"], params)[0].outputs[0].token_ids == first
     (worker,) = llm.engine.runner.tensor_parallel.workers
     assert worker.is_alive()
+
+
+def test_a_stuck_worker_fails_the_engine_within_the_timeout(default_gguf):
+    """A worker alive but not answering (stopped): the next step's header is not taken, and
+    rank 0 gives up after --distributed-timeout instead of waiting as the workers may."""
+    llm = LLM(
+        str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=3
+    )
+    (worker,) = llm.engine.runner.tensor_parallel.workers
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate(["Hello"], SamplingParams(max_tokens=4))
+        assert time.monotonic() - start < 15
+    finally:
+        worker.kill()
+        worker.join()
 
 
 def test_a_dead_worker_fails_the_engine(default_gguf):
