@@ -8,12 +8,15 @@ answer 403 to everyone.
 
 GET /router/replicas     each replica: url, tags, healthy, ready, in-flight, load, polled
                          load, models, ejections (removed ones still draining listed apart)
-POST /router/replicas    {"url": ..., "tags": {...}}: add (201) or retag (200)
+POST /router/replicas    {"url": ..., "tags": {...}}: add (201, after its first health check:
+                         "healthy" says whether it is in rotation) or retag (200)
 DELETE /router/replicas  {"url": ...} (or ?url=...): remove, draining what runs on it
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 from typing import Any
@@ -136,6 +139,12 @@ async def add_replica(request: Request) -> JSONResponse:
         replica = router.replicas.add(url, tags)
     except ConfigError as exc:
         raise bad_request(str(exc), param="url") from None
+    if not existed:
+        # Answer after its first health check (at most --poll-timeout): a replica that is up
+        # is then in rotation when this returns, so whoever added it (the cluster controller,
+        # a deploy script) can send traffic at once instead of meeting a 503 for a poll tick.
+        with contextlib.suppress(asyncio.TimeoutError):  # the check itself goes on (shielded)
+            await asyncio.wait_for(router.check(replica), router.config.poll_timeout_s)
     return JSONResponse(replica.describe(), status_code=200 if existed else 201)
 
 

@@ -80,6 +80,11 @@ class Router:
         if self._poll_client is not None:
             await self._poll_client.aclose()
 
+    async def check(self, replica: Replica) -> None:
+        """One health check (and scrape) of `replica` now, or the wait for the one in progress."""
+        if self._poller is not None:
+            await self._poller.poll(replica)
+
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)

@@ -58,7 +58,7 @@ class Poller:
         self.config, self.replicas, self.client, self.metrics = config, replicas, client, metrics
         self.headers = headers  # the poll key, if any: a replica's /metrics and /v1/models may need it
         self.dns = DnsDiscovery(config.replica_dns, replicas)
-        self._polling: set[str] = set()  # URLs with a poll in progress (no overlapping polls)
+        self._polling: dict[str, asyncio.Future[None]] = {}  # URL -> its poll in progress (never two)
 
     async def run(self) -> None:
         """Forever: one round, then sleep out the rest of the interval."""
@@ -77,14 +77,19 @@ class Poller:
         await asyncio.gather(*(self.poll(r) for r in self.replicas))
 
     async def poll(self, replica: Replica) -> None:
-        if replica.url in self._polling:
-            return
-        self._polling.add(replica.url)
-        try:
-            if await self._check_health(replica):
-                await asyncio.gather(self._scrape(replica), self._read_models(replica))
-        finally:
-            self._polling.discard(replica.url)
+        """Check one replica; a caller arriving while its poll is in progress waits for that
+        one (the admin API answers an added replica with its first check's outcome)."""
+        url = replica.url
+        running = self._polling.get(url)
+        if running is None:
+            running = asyncio.ensure_future(self._poll_once(replica))
+            self._polling[url] = running
+            running.add_done_callback(lambda _: self._polling.pop(url, None))
+        await asyncio.shield(running)  # one waiter cancelled (a client gone) leaves the poll running
+
+    async def _poll_once(self, replica: Replica) -> None:
+        if await self._check_health(replica):
+            await asyncio.gather(self._scrape(replica), self._read_models(replica))
 
     async def _check_health(self, replica: Replica) -> bool:
         """One health check; True when the replica answered 200."""

@@ -285,8 +285,9 @@ def test_model_routing_and_union(stubs: tuple[StubReplica, StubReplica]) -> None
 def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> None:
     a, b = stubs
     user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
+    # poll_interval_s=10: no poll round during the test; b's admission comes from the POST itself
     with router([a.url], api_keys=(("u", "user-key"),), admin_keys=(("ops", "admin-key"),),
-                replica_api_key="replica-key") as (url, rt):  # fmt: skip
+                replica_api_key="replica-key", poll_interval_s=10.0) as (url, rt):  # fmt: skip
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert (
@@ -303,14 +304,11 @@ def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> N
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/router/replicas", headers=user).status_code == 403
         r = httpx.post(url + "/router/replicas", json={"url": b.url, "tags": {"tag": "long"}}, headers=admin)
-        assert r.status_code == 201 and r.json()["tags"] == {"tag": "long"}
+        # answered after b's first health check: in rotation already, no poll tick to wait out
+        assert r.status_code == 201 and r.json()["tags"] == {"tag": "long"} and r.json()["healthy"], r.json()
         listed = httpx.get(url + "/router/replicas", headers=admin).json()
         assert [x["url"] for x in listed["data"]] == [a.url, b.url]
-        wait_for(
-            lambda: all(
-                x["healthy"] for x in httpx.get(url + "/router/replicas", headers=admin).json()["data"]
-            )
-        )
+        assert all(x["healthy"] for x in listed["data"])
         assert {httpx.post(url + "/v1/chat/completions", json=CHAT, headers=user).json()["replica"]
                 for _ in range(2)} == {"a", "b"}  # fmt: skip
         r = httpx.request("DELETE", url + "/router/replicas", json={"url": a.url}, headers=admin)
