@@ -203,29 +203,36 @@ def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
 
 # Quantized forms round each activation to int8 (per 4 values, quant_matmul.c), so float32
 # noise between TP=1 and TP=2 (partial sums added in another order) can move a value across a
-# rounding boundary and flip a near-tie. A difference is accepted only at the first differing
-# token, where TP=1's top two candidates are within `near_tie` and TP=2 took the other one.
-# "auto" is make run's small-step form: the file's own int4 blocks, each rank's cut from the
-# file; int4 flips more (2-3 of 8 prompts, at gaps up to ~0.07), as batch composition alone
-# does in one process (docs/tensor-parallel.md).
-# Deterministic mode's exact layout gives TP=1's bits for every form (tests/model/test_deterministic.py).
-@pytest.mark.parametrize(("quantization", "near_tie", "max_flips"), [("auto", 0.1, 3)])
-def test_quantized_forms_per_slice(default_gguf, quantization, near_tie, max_flips):
-    """int8 / int4 weight forms built per rank from its slice (rows of column-parallel layers,
-    whole 32-value blocks of row-parallel ones), float32 activations: TP=2 gives TP=1's tokens
-    on 8 prompts, up to near-ties checked as such."""
-    args = {"dtype": "float32", "quantization": quantization, "progress": False}
+# rounding boundary; through 30 layers that moves a token's logprob by up to ~0.3 (0.28 seen on
+# these prompts with --quantization auto, make run's small-step form: the file's own int4
+# blocks, each rank's cut from the file), about what batch composition alone does in one
+# process (docs/tensor-parallel.md). How many prompts flip at a near-tie is that noise's luck
+# (2-4 of 8 seen), so no count is asserted. What is: every token TP=2 shares with TP=1 has a
+# logprob within NOISE of TP=1's, and where they part, TP=1's top two were within NOISE and TP=2
+# took the other one. A wrong cut or a missing all-reduce does far worse (checked by hand: with
+# only the last layer's MLP all-reduce skipped, 6 of 8 prompts leave TP=1's top two within their
+# first 10 tokens, and logprobs move by up to 1.2). Deterministic mode's exact layout gives TP=1's bits for every form
+# (tests/model/test_deterministic.py).
+NOISE = 0.6
+
+
+def test_quantized_forms_per_slice(default_gguf):
+    """int4 blocks cut per rank from the file (rows of column-parallel layers, whole 32-value
+    blocks of row-parallel ones), float32 activations: TP=2 follows TP=1 within the int8
+    activation rounding's noise on 8 prompts."""
+    args = {"dtype": "float32", "quantization": "auto", "progress": False}
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
     want = LLM(str(default_gguf), **args).generate(_prompts(), params)
     got = LLM(str(default_gguf), tensor_parallel_size=2, **args).generate(_prompts(), params)
-    flips = 0
+    same_tokens = 0
     for g, w in zip(got, want):
-        g_ids, w_out = g.outputs[0].token_ids, w.outputs[0]
-        if g_ids == w_out.token_ids:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(g_ids, w_out.token_ids)) if a != b)
-        top = w_out.logprobs[i]
-        assert g_ids[i] in top.top_ids[:2], f"TP=2 took a token outside TP=1's top two at {i}"
-        assert abs(top.top_logprobs[0] - top.top_logprobs[1]) < near_tie, f"not a near-tie at {i}: {top}"
-        flips += 1
-    assert flips <= max_flips, f"{flips} of 8 prompts diverged"
+        g_out, w_out = g.outputs[0], w.outputs[0]
+        for i, (a, b) in enumerate(zip(g_out.token_ids, w_out.token_ids)):
+            top = w_out.logprobs[i]
+            if a != b:
+                assert a in top.top_ids[:2], f"TP=2 took a token outside TP=1's top two at {i}"
+                assert top.top_logprobs[0] - top.top_logprobs[1] < NOISE, f"not a near-tie at {i}: {top}"
+                break
+            assert abs(g_out.logprobs[i].logprob - w_out.logprobs[i].logprob) < NOISE, (i, top)
+            same_tokens += 1
+    assert same_tokens >= 8 * 16 // 2  # most tokens are compared (117 of 128 seen)
