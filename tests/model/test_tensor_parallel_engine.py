@@ -148,8 +148,8 @@ def test_host_kv_tier_beside_two_ranks(default_gguf):
     its host slots, by rank 0's plan. A pool too small for six sequences swaps them out to host
     memory and back: TP=1's tokens and logprobs."""
     prompts = [list(range(1000 + 40 * i, 1000 + 40 * i + 60 + 13 * i)) for i in range(6)]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
-    config = {"dtype": "float32", "num_blocks": 20, "kv_offload_memory": "64MiB", "preemption_mode": "swap"}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    config = {"dtype": "float32", "num_blocks": 14, "kv_offload_memory": "64MiB", "preemption_mode": "swap"}
 
     def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
         outs = llm.generate(prompts, params)
