@@ -8,6 +8,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.models.llama import KVCache
+from tests.hf_reference import one_gguf_parse
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,10 @@ PROMPTS = [
 def hf_model(default_gguf):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    with one_gguf_parse():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
+        )
     # Compare full-length outputs: with EOS ignored on our side, transformers must not stop either.
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -10,6 +10,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.models.llama import KVCache
+from tests.hf_reference import one_gguf_parse
 
 PROMPTS = [
     "The capital of France is",
@@ -31,8 +32,9 @@ def pair(gemma3_gguf):
         str(gemma3_gguf), dtype="float32", kv_cache_memory="128MiB", max_model_len=1024, progress=False
     )
     root, name = str(gemma3_gguf.parent), gemma3_gguf.name
-    hf = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32).eval()
-    hf_tokenizer = AutoTokenizer.from_pretrained(root, gguf_file=name)
+    with one_gguf_parse():
+        hf = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32).eval()
+        hf_tokenizer = AutoTokenizer.from_pretrained(root, gguf_file=name)
     return ours, hf, hf_tokenizer
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.request import SamplingParams
+from tests.hf_reference import one_gguf_parse
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as HFTokenizer
@@ -21,7 +22,8 @@ def tokenizer(default_gguf: Path) -> HFTokenizer:
     # decode(ids, skip_special_tokens=...), which fornax.tokenizer.Tokenizer provides too.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    with one_gguf_parse():
+        return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
 
 
 def encode(tokenizer: HFTokenizer, text: str) -> list[int]:
