@@ -1,5 +1,5 @@
 """Tensor parallelism, Megatron-style: one model's layers split across ranks of a
-torch.distributed process group (gloo on CPUs, NCCL on GPUs).
+torch.distributed process group (gloo: fornax runs on CPUs; NCCL is for a GPU path, not built).
 
 Each rank holds a slice of every decoder layer: a contiguous range of KV heads with the query
 heads of their groups (QKV column-parallel, O row-parallel), and a contiguous range of the MLP's
