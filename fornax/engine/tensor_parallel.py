@@ -28,16 +28,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fornax.config import EngineConfig
+from fornax.config import ConfigError, EngineConfig
 from fornax.engine.kv.offload.build import host_block_layout
 from fornax.engine.kv.offload.connector import TransferPlan
 from fornax.engine.kv.offload.host_pool import HostPool
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
-from fornax.models import DTYPES, load_engine_model
+from fornax.models import DTYPES, load_engine_model, read_model_config
 from fornax.models.llama import KVCache
-from fornax.models.tensor_parallel import connect_gloo_groups, gloo_shard
+from fornax.models.tensor_parallel import connect_gloo_groups, gloo_shard, plan_shards
 from fornax.spec_decode.self_draft import make_self_draft
 
 logger = logging.getLogger("fornax.engine")
@@ -61,6 +61,10 @@ class TensorParallelGroup:
 
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
+        try:  # before any worker starts: a size the heads cannot take would fail in every one
+            plan_shards(read_model_config(config.model), self.world)
+        except ValueError as exc:
+            raise ConfigError(f"tensor_parallel_size {self.world}: {exc}") from None
         init = config.distributed_init or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.workers = []

@@ -17,7 +17,16 @@ from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Li
 from fornax.layers.memory import release_free_heap
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
-from fornax.models.loader import CutsFor, LoadedWeights, ModelLoadError, load_gguf, load_hf_dir
+from fornax.models.loader import (
+    CutsFor,
+    LoadedWeights,
+    ModelLoadError,
+    gguf_model_config,
+    hf_model_config,
+    load_gguf,
+    load_hf_dir,
+    read_gguf,
+)
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
 from fornax.models.tensor_parallel import (
     Cut,
@@ -75,6 +84,16 @@ def load_weights(
         return load_gguf(resolved.gguf_path, dtype, progress, keep_int4_blocks, cuts_for)
     assert resolved.hf_dir is not None
     return load_hf_dir(resolved.hf_dir, dtype, progress, cuts_for)
+
+
+def read_model_config(source: str | Path) -> ModelConfig:
+    """A model's config from its metadata alone (the GGUF header or config.json): no weights
+    are read. For checks that must come before a load, such as a tensor-parallel split."""
+    resolved = resolve_model(str(source))
+    if resolved.gguf_path is not None:
+        return gguf_model_config(read_gguf(resolved.gguf_path).metadata, name=resolved.gguf_path.stem)
+    assert resolved.hf_dir is not None
+    return hf_model_config(resolved.hf_dir)
 
 
 def load_model(

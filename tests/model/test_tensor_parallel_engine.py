@@ -5,6 +5,7 @@ n-gram speculation, a draft model and a self-draft; a worker that dies fails the
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -166,9 +167,15 @@ def test_host_kv_tier_beside_two_ranks(default_gguf):
     tp.engine.check_integrity()
 
 
-def test_unsupported_combinations_are_refused(tmp_path):
+def test_unsupported_combinations_are_refused(default_gguf, tmp_path):
     with pytest.raises(ConfigError, match="KV disk tier"):
         LLM(tensor_parallel_size=2, kv_offload_memory="1GiB", kv_offload_dir=str(tmp_path))
+    # a size the heads cannot take (3 KV heads of 3 queries each over 4 ranks): refused from
+    # the file's header before any worker starts, not by each worker as it loads
+    start, children = time.monotonic(), set(mp.active_children())
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 4: 3 KV heads .* cannot be split over 4"):
+        LLM(str(default_gguf), tensor_parallel_size=4, progress=False)
+    assert time.monotonic() - start < 5 and set(mp.active_children()) == children
 
 
 def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
