@@ -1,7 +1,8 @@
 """The tensor-parallel engine (fornax/engine/tensor_parallel.py): LLM(tensor_parallel_size=2)
 runs the default model over two processes and gives the single process's greedy tokens, with
-logprobs within 1e-4, in float32, through prefix-cache hits, chunked prefill, preemption,
-n-gram speculation, a draft model and a self-draft; a worker that dies fails the engine with an error, not a hang."""
+logprobs (the chosen token's and the top 8) within 1e-4, in float32, through prefix-cache hits,
+chunked prefill, preemption, n-gram speculation, a draft model and a self-draft; a worker that
+dies fails the engine with an error, not a hang."""
 
 from __future__ import annotations
 
@@ -45,9 +46,14 @@ def _prompts() -> list[str]:
 
 
 def _generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+    """Each prompt's greedy tokens, and at each position the chosen token's logprob and the
+    top 8 logprobs (log-softmax over the whole vocabulary, so they check the logits too)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=8)
     outs = llm.generate(_prompts(), params)
-    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    return [
+        (o.outputs[0].token_ids, [x for lp in o.outputs[0].logprobs for x in (lp.logprob, *lp.top_logprobs)])
+        for o in outs
+    ]
 
 
 def test_two_ranks_match_one_process(default_gguf):
