@@ -224,8 +224,8 @@ def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
 # logprob within NOISE of TP=1's, and where they part, TP=1's top two were within NOISE and TP=2
 # took the other one. A wrong cut or a missing all-reduce does far worse (checked by hand: with
 # only the last layer's MLP all-reduce skipped, 6 of 8 prompts leave TP=1's top two within their
-# first 10 tokens, and logprobs move by up to 1.2). Deterministic mode's exact layout gives TP=1's bits for every form
-# (tests/model/test_deterministic.py).
+# first 10 tokens, and logprobs move by up to 1.2). Deterministic mode's exact layout gives
+# TP=1's bits for every form (tests/model/test_deterministic.py).
 NOISE = 0.6
 
 
