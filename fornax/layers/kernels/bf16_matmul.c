@@ -23,8 +23,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define BMM_AVAILABLE 1
+#define BMM_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Without AVX-512 BF16: the bf16 values widened to float32 and multiplied by FMA (dense_avx2.h). */
+#define BMM_AVAILABLE 0
+#define BMM_AVX2 1
 #else
 #define BMM_AVAILABLE 0
+#define BMM_AVX2 0
 #endif
 
 #define ROWS 4 /* weight rows per tile */
@@ -39,7 +45,7 @@
 #endif
 
 /* 1 where the kernel was compiled in; the Python side keeps torch's linear otherwise. */
-int bf16_matmul_available(void) { return BMM_AVAILABLE; }
+int bf16_matmul_available(void) { return BMM_AVAILABLE || BMM_AVX2; }
 
 #if BMM_AVAILABLE
 
@@ -110,6 +116,20 @@ int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const 
         }
     }
     return 0;
+}
+
+#elif BMM_AVX2
+
+#include "bf16.h"
+#include "dense_avx2.h"
+
+#define STORE_BF16_ONE(p, i, f) ((p)[i] = f32_to_bf16(f))
+DEFINE_DENSE_TILE_AVX2(tile_avx2, uint16_t, vload8_bf16, STORE_BF16_ONE)
+DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, uint16_t, tile_avx2, PREFETCH_BYTES, 32)
+
+int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n,
+                     uint16_t *y, int num_threads) {
+    return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
 }
 
 #else

@@ -22,7 +22,8 @@
 
 /* Built only with the integer matmuls it calls (quant_matmul.c, same condition); Python
  * loads it only where quant_matmul_available(). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || (defined(__aarch64__) && defined(__ARM_NEON))
 #define HAVE_QUANT_MATMUL 1
 #else
 #define HAVE_QUANT_MATMUL 0

@@ -37,6 +37,12 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, int k
     _mm512_storeu_ps(out, reduce16(v)); /* lane j * 4 + r */
     for (int j = 0; j < NT; j++) memcpy(y + j * n, out + j * ROWS, sizeof(float) * live);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define F32_AVAILABLE 1
+#include "dense_avx2.h"
+#define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
+DEFINE_DENSE_TILE_AVX2(tile_avx2, float, vload8_f32, STORE_F32_ONE)
+DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, float, tile_avx2, 0, 16)
 #else
 #define F32_AVAILABLE 0
 #endif
@@ -46,7 +52,9 @@ int f32_matmul_available(void) { return F32_AVAILABLE; }
 /* x: [t_rows, k] float32 with row stride x_stride (elements); w: [n, k] float32; y: [t_rows, n]. */
 int f32_matmul_f32(const float *x, long x_stride, int t_rows, int k, const float *w, int n, float *y,
                    int num_threads) {
-#if F32_AVAILABLE
+#if F32_AVAILABLE && !HAVE_VEC512
+    return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
+#elif F32_AVAILABLE
     if (k % 16 || t_rows < 1 || n < 1) return 1;
     const int tiles = (n + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -90,13 +90,30 @@ static float quantize_row(const uint16_t *xr, int k, int8_t *qr, int offset, flo
 }
 #endif
 
+/* The product without VNNI: AVX2 (also on AVX-512 CPUs without VNNI) or NEON. Each header
+ * brings its own rotation for the product, and rotated_max / quantize_row where no AVX-512
+ * ones exist. */
+#if !(HAVE_VEC512 && defined(__AVX512VNNI__)) && defined(__AVX2__) && defined(__FMA__)
+#include "int8_matmul_avx2.h"
+#define HAVE_AVX2_PRODUCT 1
+#else
+#define HAVE_AVX2_PRODUCT 0
+#endif
+#if !HAVE_VEC512 && !HAVE_AVX2_PRODUCT && defined(__aarch64__) && defined(__ARM_NEON)
+#include "int8_matmul_neon.h"
+#define HAVE_NEON_PRODUCT 1
+#else
+#define HAVE_NEON_PRODUCT 0
+#endif
+#define HAVE_ROTATE (HAVE_VEC512 || HAVE_AVX2_PRODUCT || HAVE_NEON_PRODUCT)
+
 /* q [rows, k] int8 and scale [rows] from x [rows, k] bf16 (row stride ldx), as quantize_row
  * with no offset (given_max as there, or NULL): the rounding int8_matmul_bf16 does, exposed so
  * tests can check it. k must be a multiple of 32. Returns 0, 1 for a bad k, 3 where not
  * compiled in. */
 int rotate_quantize_rows_bf16(const uint16_t *x, long ldx, int rows, int k, int8_t *q, float *scale,
                               int num_threads, const float *given_max) {
-#if HAVE_VEC512
+#if HAVE_ROTATE
     if (k % HBLOCK) return 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
     for (int r = 0; r < rows; r++)
@@ -182,11 +199,10 @@ static void rows_times_panel(const uint8_t *a, const float *row_scale, int rows,
 #define HAVE_VNNI 0
 #endif
 
-/* 1 where compiled in (AVX-512 with VNNI); the Python side keeps bf16 otherwise. */
 /* row_max [rows]: each row's max|v| (rotated_max), for a max all-reduce across tensor-parallel
  * ranks before int8_matmul_bf16_given_max. Returns 0, 1 for a bad k, 3 where not compiled in. */
 int rotated_row_max_bf16(const uint16_t *x, long ldx, int rows, int k, float *row_max, int num_threads) {
-#if HAVE_VEC512
+#if HAVE_ROTATE
     if (k % HBLOCK) return 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
     for (int r = 0; r < rows; r++) row_max[r] = rotated_max(x + (long)r * ldx, k);
@@ -197,7 +213,8 @@ int rotated_row_max_bf16(const uint16_t *x, long ldx, int rows, int k, float *ro
 #endif
 }
 
-int int8_matmul_available(void) { return HAVE_VNNI; }
+/* 1 where compiled in (AVX-512 VNNI, AVX2, NEON); the Python side keeps bf16 otherwise. */
+int int8_matmul_available(void) { return HAVE_VNNI || HAVE_AVX2_PRODUCT || HAVE_NEON_PRODUCT; }
 
 /* x [rows, k] bf16 (row stride ldx), weights as above; y [rows, n] bf16; given_max [rows] or
  * NULL: each row's rounding maximum, where not the row's own (quantize_row). Returns 0; 1 bad
@@ -227,6 +244,10 @@ int int8_matmul_bf16_given_max(const uint16_t *x, long ldx, int rows, int k, con
     }
     free(a);
     return 0;
+#elif HAVE_AVX2_PRODUCT || HAVE_NEON_PRODUCT
+    (void)colsum; /* the offset-free product needs no column sums */
+    if (k % HBLOCK || rows < 1 || n < 1) return 1;
+    return int8_product(x, ldx, rows, k, wp, col_scale, n, y, num_threads, given_max);
 #else
     (void)x, (void)ldx, (void)rows, (void)k, (void)wp, (void)colsum, (void)col_scale, (void)n, (void)y,
         (void)num_threads, (void)given_max;

@@ -39,6 +39,19 @@
 #else
 #define QMM_VNNI 0
 #endif
+/* The same kernel in 256-bit vectors (quant_matmul_avx2.h) and in NEON (quant_matmul_neon.h):
+ * each defines quantize_row, offset_dot and tile with the AVX-512 versions' contracts below. */
+#if !QMM_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QMM_AVX2 1
+#else
+#define QMM_AVX2 0
+#endif
+#if !QMM_VNNI && !QMM_AVX2 && defined(__aarch64__) && defined(__ARM_NEON)
+#define QMM_NEON 1
+#else
+#define QMM_NEON 0
+#endif
+#define QMM_ANY (QMM_VNNI || QMM_AVX2 || QMM_NEON)
 
 #define QBLOCK 32
 #define MAX_ROWS 64 /* activation rows per call; small steps have at most a few dozen */
@@ -51,9 +64,9 @@
 #endif
 
 /* 1 where the integer kernels were compiled in; the Python side keeps torch's kernels otherwise. */
-int quant_matmul_available(void) { return QMM_VNNI; }
+int quant_matmul_available(void) { return QMM_ANY; }
 
-#if QMM_VNNI
+#if QMM_ANY
 
 /* One step's activations, quantized: xq [T, K] int8 with one scale per 4 consecutive values,
  * dxv [T, K / 4] those scales (16 per pair of blocks: the dot product's 16 lanes each sum 4
@@ -69,6 +82,7 @@ typedef struct {
     float *dxv, *xsum;
 } quantized_x;
 
+#if QMM_VNNI
 static void quantize_row(const float *x, int k, int8_t *xq, float *dxv, float *xsum) {
     const __m512i every_fourth = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (int i = 0; i < k; i += 16) {
@@ -88,6 +102,12 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dxv, float *x
             _mm512_add_ps(_mm512_loadu_ps(x + g * QBLOCK), _mm512_loadu_ps(x + g * QBLOCK + 16)));
 }
 
+#elif QMM_AVX2
+#include "quant_matmul_avx2.h"
+#elif QMM_NEON
+#include "quant_matmul_neon.h"
+#endif
+
 /* Per-call scratch, sized for the step; freed by the caller. NULL when out of memory. */
 static int quantize_x(const float *x32, int t_rows, int k, quantized_x *q) {
     q->xq = aligned_alloc(64, (size_t)t_rows * k + 64);
@@ -106,6 +126,7 @@ static void free_x(quantized_x *q) {
     free(q->xsum);
 }
 
+#if QMM_VNNI
 /* sum over g of m[g] * xs[g] (the Q4 offsets against exact block sums of x). */
 static inline float offset_dot(const uint16_t *m, const float *xs, int groups) {
     __m512 acc = _mm512_setzero_ps();
@@ -189,6 +210,8 @@ static inline __attribute__((always_inline)) void tile(
             y[r * y_stride + j] = _mm512_reduce_add_ps(acc[r][j]) +
                 (Q4 ? offset_dot(m + (long)r * groups, q->xsum + (long)(t0 + j) * groups, groups) : 0.f);
 }
+
+#endif
 
 /* A tile's rows for every activation row, two activation rows at a time. */
 static inline __attribute__((always_inline)) void row_block(
