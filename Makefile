@@ -13,7 +13,7 @@ MODEL ?= smollm2-135m-instruct
 
 .PHONY: setup run test pull clean
 
-setup: $(STAMP) $(UPLOT) /usr/bin/chromium
+setup: $(STAMP) $(UPLOT) /usr/bin/chromium /usr/bin/qemu-aarch64-static
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml
 # a CJK font so the seed's Chinese prompt renders in its screenshots. Root, as on these machines.
 /usr/bin/chromium:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-wqy-microhei
+
+# The Arm NEON kernels are cross-compiled and run under qemu by tests/arm (no Arm machine here).
+# Optional: without them those tests skip, saying so.
+/usr/bin/qemu-aarch64-static:
+	-command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static
 
 # Optional at run time: without node/npm the page still works, just without charts.
 $(UPLOT):

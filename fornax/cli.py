@@ -240,7 +240,11 @@ def cmd_memory(args: argparse.Namespace) -> None:
     llm.generate(["What is LLM inference?"], SamplingParams(max_tokens=8, temperature=0.0))
     release_free_heap()  # what the server does when it goes idle
     report = llm.engine.memory_report()
-    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    kernels = llm.engine.kernels
+    if args.json:
+        print(json.dumps({**report.as_dict(), "kernels": kernels}, indent=2))
+    else:
+        print(f"{kernels}\n{report.table()}")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

@@ -36,6 +36,12 @@ def env_c_compiler() -> str | None:
     return os.environ.get("CC") or None
 
 
+def env_isa() -> str | None:
+    """FORNAX_ISA: the highest instruction-set level the native kernels may use (layers/isa.py
+    LEVELS), for testing and measuring a lower level on a bigger CPU; None: the CPU's own."""
+    return os.environ.get("FORNAX_ISA", "").strip().lower() or None
+
+
 def env_api_key() -> str | None:
     return os.environ.get("FORNAX_API_KEY") or None
 

@@ -139,6 +139,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_config = core.model_config
         self.max_model_len = core.max_model_len
+        self.kernels = core.kernels  # what runs on this CPU, in one line (layers/kernel_plan.py)
         self._commands: queue.SimpleQueue[tuple[str, Any, Future | None]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[EngineOutput | Exception]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -76,6 +76,7 @@ class EngineCore:
         self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
+        self.kernels = ""  # the one line of layers/kernel_plan.py, once the runner is built
         self.runner = ModelRunner(
             loaded.model,
             loaded.local_config or loaded.config,
@@ -87,6 +88,8 @@ class EngineCore:
             deterministic=config.deterministic,
             tensor_parallel=tensor_parallel,
         )
+        self.kernels = self.runner.kernels
+        logger.info("%s", self.kernels)
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
             from fornax.engine.kv.offload.build import build_connector

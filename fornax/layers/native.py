@@ -37,11 +37,13 @@ from typing import TypeVar
 import torch
 
 from fornax.config import debug_checks_enabled, env_c_compiler, fornax_home
+from fornax.layers import isa
 from fornax.layers.kv_pool import LayerKV
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 T = TypeVar("T")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+# The instruction-set flags come from the level (layers/isa.py): -march=native for the CPU's own.
+BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 logger = logging.getLogger("fornax.kernels")
 
 # Range checks of the indices passed to C (check_paged_indices and friends). Off unless
@@ -69,9 +71,14 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _source_digest() -> str:
-    """What the library depends on: the flags, the CPU (-march=native) and every source and header."""
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + _cpu_signature().encode())
+def compile_flags() -> list[str]:
+    """The compiler's flags for this process's level (FORNAX_ISA against the CPU)."""
+    return [BASE_FLAGS[0], *isa.current().compile_flags, *BASE_FLAGS[1:]]
+
+
+def _source_digest(flags: list[str]) -> str:
+    """What the library depends on: the flags, the CPU (-march/-mtune=native) and every source and header."""
+    digest = hashlib.sha256(" ".join(flags).encode() + _cpu_signature().encode())
     for path in sorted(KERNEL_DIR.glob("*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
@@ -136,9 +143,9 @@ def _cache_dir() -> Path:
         raise KernelsUnavailable("no home directory for the cache (HOME unset): set FORNAX_HOME") from exc
 
 
-def _compile(compiler: str, out: str) -> None:
+def _compile(compiler: str, flags: list[str], out: str) -> None:
     sources = sorted(KERNEL_DIR.glob("*.c"))
-    cmd = [compiler, *FLAGS, *map(str, sources), "-o", out, "-lm"]
+    cmd = [compiler, *flags, *map(str, sources), "-o", out, "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     except subprocess.CalledProcessError as exc:
@@ -154,16 +161,22 @@ def _unwritable(out_dir: Path, exc: OSError) -> KernelsUnavailable:
     return KernelsUnavailable(f"cannot write to {out_dir} ({exc.strerror or exc}): {hint}")
 
 
+def library_path(digest: str) -> Path:
+    """Where the library of these sources (digest: _source_digest) for this process's level lives."""
+    return _cache_dir() / f"fornax_kernels-{isa.current().name}-{digest[:16]}.so"
+
+
 def _build() -> Path:
     """The library for the current sources, flags and CPU: the cached one if its record
     vouches for it (no compiler needed then), else a fresh build. Raises KernelsUnavailable
     saying why there is none."""
+    flags = compile_flags()  # a FORNAX_ISA the CPU cannot run raises ConfigError: not a fallback
     try:
-        digest = _source_digest()
+        digest = _source_digest(flags)
     except OSError as exc:  # an installation missing or hiding its kernels/ directory
         raise KernelsUnavailable(f"cannot read the kernel sources ({exc})") from exc
-    out_dir = _cache_dir()
-    target = out_dir / f"fornax_kernels-{digest[:16]}.so"
+    target = library_path(digest)
+    out_dir = target.parent
     if _cached(target, digest):
         return target
     compiler = _find_compiler()
@@ -175,7 +188,7 @@ def _build() -> Path:
     except OSError as exc:  # read-only, full, or a file where a directory should be
         raise _unwritable(out_dir, exc) from exc
     try:
-        _compile(compiler, tmp)
+        _compile(compiler, flags, tmp)
         record = _record(digest, Path(tmp))
         os.replace(tmp, target)
         # Written last: a library without its record is rebuilt, never trusted. A process racing
@@ -769,6 +782,11 @@ def _library_once() -> ctypes.CDLL | None:
     except KernelsUnavailable as exc:
         logger.warning("native kernels unavailable (%s); using torch ops", exc)
         return None
+
+
+def library_loaded() -> bool:
+    """Whether the kernels library is built and loaded in this process (building it if needed)."""
+    return _library() is not None
 
 
 @functools.cache

@@ -117,6 +117,7 @@ async def models(request: Request) -> Response:
                 created=int(state.started_at),
                 max_model_len=max_len,
                 deterministic=model.config.engine.deterministic,
+                kernels=model.engine.kernels if model.engine is not None else None,
             )
             for name in model.config.names
         ]

@@ -286,6 +286,9 @@ class ModelCard(_Response):
     max_model_len: int | None = None
     # fornax: whether the model's engine runs in deterministic mode (docs/deterministic.md)
     deterministic: bool | None = None
+    # fornax: the kernels the model runs on, e.g. "kernels: avx2+fma; decode int4, large steps
+    # int8 x int8, attention bf16" (docs/kernels.md); None while the model is not loaded
+    kernels: str | None = None
 
 
 class ModelList(_Response):

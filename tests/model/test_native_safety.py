@@ -223,8 +223,8 @@ def test_cached_library_is_loaded_only_when_its_record_matches(stand_in_compiler
     count = stand_in_compiler
     scratch = tmp_path / "loaded"
     scratch.mkdir()
-    digest = native._source_digest()
-    target = native._cache_dir() / f"fornax_kernels-{digest[:16]}.so"
+    digest = native._source_digest(native.compile_flags())
+    target = native.library_path(digest)
     record = native._record_path(target)
     target.parent.mkdir(parents=True)
 

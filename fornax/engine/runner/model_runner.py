@@ -20,6 +20,9 @@ from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
 from fornax.engine.structured.masks import GrammarMask, MaskWorker
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.kernel_plan import DTYPE_NAMES
+from fornax.layers.kernel_plan import describe as describe_kernels
+from fornax.layers.linear import Linear
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
@@ -56,6 +59,12 @@ class ModelRunner:
         # (not under tensor parallelism: the one native call would skip the layers' all-reduces)
         native = kernel_backend == "native" and tensor_parallel is None
         self.native_step = NativeStep.build(model, self.kv_cache) if native else None
+        # What runs, in one line (layers/kernel_plan.py): the start-up log and /v1/models say it.
+        kv = "int8" if self.kv_cache.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
+        attention = "torch" if self.attention_kernel is None else kv
+        head = getattr(model, "lm_head", None)
+        decoder = [m for m in model.modules() if isinstance(m, Linear) and m is not head]
+        self.kernels = describe_kernels(decoder, attention)
         self.tensor_parallel = tensor_parallel  # rank 0's side of the group: the per-step broadcast
         self.sampler = Sampler()
         self.masks = MaskWorker(config.vocab_size)  # constrained decoding (engine/structured)

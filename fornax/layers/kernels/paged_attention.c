@@ -597,8 +597,15 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16_i8, row_part_bf16_i8, uint16_t, int8
  * q = round-to-nearest-even(x / scale), scale 0 for an all-zero row (divided by 1). The
  * operations are those of fornax/layers/kv_pool.py quantize_rows, in the same order (IEEE
  * division, default rounding), so both write the same bits. */
+/* GCC 12 for aarch64 dies (internal compiler error in vect_transform_reduction) vectorizing
+ * the max|x| reduction over bf16 loads below at -O3; the loop is a few dozen values per head. */
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+#define KV_STORE_ATTRS __attribute__((optimize("no-tree-vectorize")))
+#else
+#define KV_STORE_ATTRS
+#endif
 #define DEFINE_KV_STORE_I8(NAME, T, LOAD)                                                        \
-    void NAME(const T *src, long src_stride, int rows, const int64_t *slots, int num_kv_heads,   \
+    KV_STORE_ATTRS void NAME(const T *src, long src_stride, int rows, const int64_t *slots, int num_kv_heads,   \
               int head_dim, int8_t *cache, float *scales) {                                      \
         for (int r = 0; r < rows; r++)                                                           \
             for (int kh = 0; kh < num_kv_heads; kh++) {                                          \

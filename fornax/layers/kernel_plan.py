@@ -1,0 +1,80 @@
+"""What the native kernels run on this CPU, said in one line (docs/kernels.md).
+
+`describe` reads the forms a loaded model's Linears actually hold (not what was asked for),
+so the line cannot claim a kernel that did not load: the start-up log, `/v1/models` and
+`fornax memory` print it, e.g. `kernels: avx2+fma; decode int4, large steps int8 x int8,
+attention bf16`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from fornax.layers import isa
+from fornax.layers.linear import (
+    AmxBf16,
+    BlockInt4,
+    BlockInt8,
+    DenseBf16,
+    DenseF32,
+    Int4Grouped,
+    Int8PerChannel,
+    Int8Rotated,
+    Linear,
+)
+
+# A form's name in the line; torch's kernels are named as such, so a slow path is visible.
+FORM_NAMES: dict[type, str] = {
+    BlockInt4: "int4",
+    BlockInt8: "int8",
+    DenseBf16: "bf16",
+    DenseF32: "f32",
+    AmxBf16: "bf16 (amx)",
+    Int8Rotated: "int8 x int8",
+    Int4Grouped: "int4 (torch)",
+    Int8PerChannel: "int8 (torch)",
+}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float16: "f16"}
+
+
+def step_forms(linear: Linear) -> tuple[str, str]:
+    """(the form of a one-row step, the form of a large step) for one Linear."""
+    dense = f"{DTYPE_NAMES.get(linear.weight.dtype, '?')} (torch)" if linear.weight is not None else "none"
+
+    def form_for(rows: int) -> str:
+        if linear.small is not None and rows <= linear.small_max_rows:
+            return FORM_NAMES.get(type(linear.small), type(linear.small).__name__)
+        if linear.large is not None and rows >= linear.large_min_rows:
+            return FORM_NAMES[Int8Rotated]
+        if linear.mid is not None and rows <= linear.mid_max_rows:
+            return FORM_NAMES[DenseBf16]
+        return dense
+
+    return form_for(1), form_for(512)
+
+
+def _most_common(names: Iterable[str]) -> str:
+    counts = Counter(names).most_common()
+    return "/".join(name for name, _ in counts) if counts else "none"
+
+
+def describe(linears: Iterable[Linear], attention: str) -> str:
+    """The one line: the level, the decoder's forms for decode and for large steps (several,
+    most common first, where layers differ), and the attention kernel's dtype (or "torch")."""
+    pairs = [step_forms(linear) for linear in linears]
+    decode = _most_common(small for small, _ in pairs)
+    large = _most_common(big for _, big in pairs)
+    return f"kernels: {isa_summary()}; decode {decode}, large steps {large}, attention {attention}"
+
+
+def isa_summary() -> str:
+    """The level the library is built for (layers/isa.py), or "none" where it is not built."""
+    from fornax.layers.native import library_loaded
+
+    if not library_loaded():
+        return "none (torch ops)"
+    choice = isa.current()
+    return choice.level.summary if choice.level is not None else "scalar"

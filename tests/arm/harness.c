@@ -1,0 +1,171 @@
+/* A driver for the integer matmul kernels with no Python and no torch, so that an AArch64
+ * build of them (the NEON paths: fornax/layers/kernels/quant_matmul_neon.h and
+ * int8_matmul_neon.h) can run under qemu-user and be checked against the same references
+ * as the x86 kernels (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
+ *
+ * Build: link with the kernels' own sources, e.g.
+ *   aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod -fopenmp -std=c11 -ffp-contract=fast -static \
+ *       tests/arm/harness.c fornax/layers/kernels/quant_matmul.c fornax/layers/kernels/int8_matmul.c \
+ *       -o harness -lm
+ * Run:   qemu-aarch64-static ./harness CASE_DIR [CASE_DIR ...]
+ * It prints one line per case ("ok DIR") and exits 0, or names what failed and exits 1.
+ *
+ * Each CASE_DIR holds raw little-endian binaries (no headers; sizes follow from `params`):
+ *   params       int32[6]: op, rows, k, n, ldx, threads
+ *                  op 1: Q4 (q4_matmul_f32), 2: Q8 (q8_matmul_f32),
+ *                     3: int8 x int8 rotated (int8_matmul_bf16 or its _given_max form,
+ *                        rotate_quantize_rows_bf16, rotated_row_max_bf16)
+ *                  ldx: the activations' row stride in elements (>= k), threads: OpenMP threads
+ *                  n_pad below: n rounded up to 4 (ops 1, 2) or to 64 (op 3)
+ *   op 1 (Q4), inputs as fornax.layers.linear.BlockInt4 holds them:
+ *     x.f32      float32 [rows, ldx]
+ *     w.bin      uint8 [n_pad / 4, k / 64, 4, 32]     (packed)
+ *     d.f16      float16 bits [n_pad / 4, k / 64, 4, 2] (d)
+ *     m.f16      float16 bits [n_pad, k / 32]           (m)
+ *     output y.f32  float32 [rows, n]
+ *   op 2 (Q8), as BlockInt8 holds them: x.f32 as above, w.bin int8 [n_pad / 4, k / 64, 4, 64]
+ *     (qweight), d.f16 as above; output y.f32
+ *   op 3 (int8), as Int8Rotated holds them:
+ *     x.bf16     bfloat16 bits [rows, ldx]
+ *     w.bin      int8 [n_pad / 64, k / 4, 64, 4]      (packed)
+ *     colsum.i32 int32 [n_pad]
+ *     scale.f32  float32 [n_pad]
+ *     given_max.f32  float32 [rows], optional: each row's rounding maximum
+ *     outputs y.bf16 bfloat16 bits [rows, n] (the product), q.i8 int8 [rows, k] and
+ *     qscale.f32 float32 [rows] (rotate_quantize_rows_bf16, given_max as the product's),
+ *     rowmax.f32 float32 [rows] (rotated_row_max_bf16)
+ * A kernel's nonzero status is reported as a failure.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* quant_matmul.c (DEFINE_QUANT_MATMUL) */
+int quant_matmul_available(void);
+int q4_matmul_f32(const float *x, long x_stride, int t_rows, int k, const uint8_t *w, const uint16_t *d,
+                  const uint16_t *m, int n, float *y, int num_threads);
+int q8_matmul_f32(const float *x, long x_stride, int t_rows, int k, const int8_t *w, const uint16_t *d,
+                  const uint16_t *m, int n, float *y, int num_threads);
+/* int8_matmul.c */
+int int8_matmul_available(void);
+int int8_matmul_bf16_given_max(const uint16_t *x, long ldx, int rows, int k, const int8_t *wp,
+                               const int32_t *colsum, const float *col_scale, int n, uint16_t *y,
+                               int num_threads, const float *given_max);
+int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t *wp, const int32_t *colsum,
+                     const float *col_scale, int n, uint16_t *y, int num_threads);
+int rotate_quantize_rows_bf16(const uint16_t *x, long ldx, int rows, int k, int8_t *q, float *scale,
+                              int num_threads, const float *given_max);
+int rotated_row_max_bf16(const uint16_t *x, long ldx, int rows, int k, float *row_max, int num_threads);
+
+static const char *case_dir;
+
+static int fail(const char *what) {
+    fprintf(stderr, "FAIL %s: %s\n", case_dir, what);
+    return 1;
+}
+
+/* The whole file `name` in case_dir, which must be `bytes` long; NULL (and a message) if not.
+ * optional: a missing file is no error (NULL, nothing printed). */
+static void *read_input(const char *name, size_t bytes, int optional) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", case_dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (!optional) fprintf(stderr, "FAIL %s: cannot open %s\n", case_dir, name);
+        return NULL;
+    }
+    void *buf = malloc(bytes ? bytes : 1);
+    size_t got = buf ? fread(buf, 1, bytes, f) : 0;
+    const int extra = fgetc(f) != EOF;
+    fclose(f);
+    if (!buf || got != bytes || extra) {
+        fprintf(stderr, "FAIL %s: %s is not %zu bytes\n", case_dir, name, bytes);
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+static int write_output(const char *name, const void *data, size_t bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", case_dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f) return fail("cannot write an output");
+    const size_t put = fwrite(data, 1, bytes, f);
+    return (fclose(f) != 0 || put != bytes) ? fail("short write") : 0;
+}
+
+static int run_quant(int q4, int rows, int k, int n, int ldx, int threads) {
+    const size_t n_pad = (size_t)(n + 3) / 4 * 4, groups = (size_t)k / 32;
+    float *x = read_input("x.f32", sizeof(float) * (size_t)rows * ldx, 0);
+    void *w = read_input("w.bin", n_pad * (q4 ? k / 2 : k), 0);
+    uint16_t *d = read_input("d.f16", sizeof(uint16_t) * n_pad * groups, 0);
+    uint16_t *m = q4 ? read_input("m.f16", sizeof(uint16_t) * n_pad * groups, 0) : NULL;
+    float *y = calloc((size_t)rows * n, sizeof(float));
+    int bad = !x || !w || !d || (q4 && !m) || !y;
+    if (!bad) {
+        const int status = q4 ? q4_matmul_f32(x, ldx, rows, k, w, d, m, n, y, threads)
+                              : q8_matmul_f32(x, ldx, rows, k, w, d, NULL, n, y, threads);
+        bad = status ? fail("the kernel returned a nonzero status")
+                     : write_output("y.f32", y, sizeof(float) * (size_t)rows * n);
+    }
+    free(x), free(w), free(d), free(m), free(y);
+    return bad;
+}
+
+static int run_int8(int rows, int k, int n, int ldx, int threads) {
+    const size_t n_pad = (size_t)(n + 63) / 64 * 64;
+    uint16_t *x = read_input("x.bf16", sizeof(uint16_t) * (size_t)rows * ldx, 0);
+    int8_t *w = read_input("w.bin", n_pad * k, 0);
+    int32_t *colsum = read_input("colsum.i32", sizeof(int32_t) * n_pad, 0);
+    float *scale = read_input("scale.f32", sizeof(float) * n_pad, 0);
+    float *given_max = read_input("given_max.f32", sizeof(float) * rows, 1);
+    uint16_t *y = calloc((size_t)rows * n, sizeof(uint16_t));
+    int8_t *q = calloc((size_t)rows * k, 1);
+    float *qscale = calloc(rows, sizeof(float)), *rowmax = calloc(rows, sizeof(float));
+    int bad = !x || !w || !colsum || !scale || !y || !q || !qscale || !rowmax;
+    if (!bad) {
+        const int status =
+            given_max ? int8_matmul_bf16_given_max(x, ldx, rows, k, w, colsum, scale, n, y, threads, given_max)
+                      : int8_matmul_bf16(x, ldx, rows, k, w, colsum, scale, n, y, threads);
+        if (status) bad = fail("int8_matmul_bf16 returned a nonzero status");
+        else if (rotate_quantize_rows_bf16(x, ldx, rows, k, q, qscale, threads, given_max))
+            bad = fail("rotate_quantize_rows_bf16 returned a nonzero status");
+        else if (rotated_row_max_bf16(x, ldx, rows, k, rowmax, threads))
+            bad = fail("rotated_row_max_bf16 returned a nonzero status");
+        else
+            bad = write_output("y.bf16", y, sizeof(uint16_t) * (size_t)rows * n) ||
+                  write_output("q.i8", q, (size_t)rows * k) ||
+                  write_output("qscale.f32", qscale, sizeof(float) * rows) ||
+                  write_output("rowmax.f32", rowmax, sizeof(float) * rows);
+    }
+    free(x), free(w), free(colsum), free(scale), free(given_max), free(y), free(q), free(qscale), free(rowmax);
+    return bad;
+}
+
+int main(int argc, char **argv) {
+    if (!quant_matmul_available() || !int8_matmul_available()) {
+        fprintf(stderr, "FAIL: the integer kernels are not compiled in for this target\n");
+        return 1;
+    }
+    int failed = 0;
+    for (int a = 1; a < argc; a++) {
+        case_dir = argv[a];
+        int32_t *p = read_input("params", 6 * sizeof(int32_t), 0);
+        if (!p) {
+            failed = 1;
+            continue;
+        }
+        const int op = p[0], rows = p[1], k = p[2], n = p[3], ldx = p[4], threads = p[5];
+        free(p);
+        int bad;
+        if (rows < 1 || k < 1 || n < 1 || ldx < k || threads < 1) bad = fail("bad params");
+        else if (op == 1 || op == 2) bad = run_quant(op == 1, rows, k, n, ldx, threads);
+        else if (op == 3) bad = run_int8(rows, k, n, ldx, threads);
+        else bad = fail("unknown op");
+        if (!bad) printf("ok %s\n", case_dir);
+        failed |= bad;
+    }
+    return failed;
+}

@@ -1,0 +1,80 @@
+"""The instruction-set levels (layers/isa.py) and the one-line kernel summary
+(layers/kernel_plan.py), without building or loading anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fornax.config import ConfigError
+from fornax.layers import isa
+from fornax.layers.kernel_plan import describe, step_forms
+from fornax.layers.linear import Linear
+
+ZEN2 = frozenset("fpu sse2 avx avx2 fma f16c bmi2".split())
+ZEN4 = ZEN2 | frozenset("avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16".split())
+SAPPHIRE = ZEN4 | frozenset("amx_tile amx_bf16 amx_int8".split())
+GRAVITON3 = frozenset("fp asimd asimddp i8mm sve".split())
+
+
+def test_cpuinfo_flags_are_read_on_x86_and_arm():
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd asimddp\nCPU part\t: 0xd40\n"
+    assert isa.cpu_flags(x86) == {"fpu", "avx2", "fma"}
+    assert isa.cpu_flags(arm) == {"fp", "asimd", "asimddp"}
+    assert isa.cpu_flags("") == frozenset()
+
+
+@pytest.mark.parametrize(
+    "flags,machine,levels",
+    [
+        (ZEN2, "x86_64", ["avx2"]),
+        (ZEN4, "x86_64", ["avx2", "avx512", "avx512-vnni", "avx512-bf16"]),
+        (SAPPHIRE, "x86_64", ["avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"]),
+        (frozenset({"sse2", "avx"}), "x86_64", []),
+        (GRAVITON3, "aarch64", ["neon", "neon-dotprod", "neon-i8mm"]),
+        (frozenset({"fp", "asimd"}), "aarch64", ["neon"]),
+    ],
+)
+def test_levels_follow_the_flags(flags, machine, levels):
+    assert [level.name for level in isa.supported_levels(flags, machine)] == levels
+
+
+def test_the_top_level_is_built_native_and_a_cap_with_generic_flags():
+    top = isa.choose(None, SAPPHIRE, "x86_64")
+    assert top.name == "amx" and top.native and top.compile_flags == ("-march=native",)
+    capped = isa.choose("avx2", SAPPHIRE, "x86_64")
+    assert capped.name == "avx2" and not capped.native
+    assert "-march=x86-64-v3" in capped.compile_flags and "-march=native" not in capped.compile_flags
+    vnni = isa.choose("avx512-vnni", SAPPHIRE, "x86_64").compile_flags
+    assert "-mavx512vnni" in vnni and "-mavx512bf16" not in vnni and not any("amx" in f for f in vnni)
+    # a cap at the CPU's own top level is the native build itself
+    assert isa.choose("avx2", ZEN2, "x86_64").native
+    assert isa.choose("neon-dotprod", GRAVITON3, "aarch64").compile_flags == ("-march=armv8.2-a+dotprod",)
+
+
+def test_a_cap_the_cpu_cannot_run_or_an_unknown_name_is_refused():
+    with pytest.raises(ConfigError, match="cannot run"):
+        isa.choose("avx512", ZEN2, "x86_64")
+    with pytest.raises(ConfigError, match="not a level"):
+        isa.choose("sse9", ZEN2, "x86_64")
+    assert isa.choose(None, frozenset(), "x86_64").name == "scalar"
+
+
+def test_current_reads_fornax_isa(monkeypatch):
+    here = isa.supported_levels(isa.cpu_flags())
+    if not here:
+        pytest.skip("this CPU runs none of the levels")
+    monkeypatch.setenv("FORNAX_ISA", here[0].name)
+    assert isa.current().name == here[0].name
+    monkeypatch.setenv("FORNAX_ISA", "no-such-level")
+    with pytest.raises(ConfigError):
+        isa.current()
+
+
+def test_the_summary_names_the_forms_each_step_size_gets():
+    lin = Linear(64, 32, bias=False, dtype=torch.float32)
+    assert step_forms(lin) == ("f32 (torch)", "f32 (torch)")
+    line = describe([lin, lin], "f32")
+    assert line.endswith("decode f32 (torch), large steps f32 (torch), attention f32")
+    assert line.startswith("kernels: ")
