@@ -14,9 +14,9 @@
  * Rows may be strided (views into a fused projection's output); elements within a row are
  * contiguous. Outputs are contiguous [rows, dim] unless noted.
  *
- * With AVX-512 the loops run 16 values at a time (vec512.h), with the same roundings; only
- * SiLU's exp is a polynomial instead of libm's (float32 rounding either way) and the norm's
- * sum of squares is summed in 16 lanes. Scalar, SiLU * up took ~10x torch's time at 512 rows
+ * With AVX-512 the loops run 16 values at a time, with AVX2 8 (vec.h), with the same roundings;
+ * only SiLU's exp is a polynomial instead of libm's (float32 rounding either way) and the
+ * norm's sum of squares is summed in 16 (or 8) lanes. Scalar, SiLU * up took ~10x torch's time at 512 rows
  * and the three ops ~160 ms of a 512-token prefill (30 layers).
  */
 #include <math.h>
@@ -24,10 +24,11 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "vec512.h"
+#include "vec.h"
 
-/* VEC_ONLY(code): the AVX-512 loop where there is one; the scalar loops after it take the rest. */
-#if HAVE_VEC512
+/* VEC_ONLY(code): the vector loop (vec.h: AVX-512 or AVX2) where there is one; the scalar loops
+ * after it take the rest. */
+#if HAVE_VEC
 #define VEC_ONLY(...) __VA_ARGS__
 #else
 #define VEC_ONLY(...)
@@ -47,13 +48,13 @@
             T *o = out + (long)r * dim;                                                          \
             float ss = 0.f;                                                                      \
             int i = 0;                                                                           \
-            VEC_ONLY(__m512 ssv = _mm512_setzero_ps();)                                          \
+            VEC_ONLY(vf ssv = vf_zero();)                                          \
             if (residual) {                                                                      \
                 const T *rr = residual + r * r_stride;                                           \
-                VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                        \
-                    const __m512 s = vround_##V(_mm512_add_ps(vload_##V(xr + i), vload_##V(rr + i))); \
-                    vstore_##V(sr + i, s);                                                       \
-                    ssv = _mm512_fmadd_ps(s, s, ssv);                                            \
+                VEC_ONLY(for (; i + VF_LANES <= dim; i += VF_LANES) {                                        \
+                    const vf s = vf_round_##V(vf_add(vf_load_##V(xr + i), vf_load_##V(rr + i))); \
+                    vf_store_##V(sr + i, s);                                                       \
+                    ssv = vf_fmadd(s, s, ssv);                                            \
                 })                                                                               \
                 for (; i < dim; i++) {                                                           \
                     const float s = ROUND(LOAD(xr, i) + LOAD(rr, i));                            \
@@ -62,18 +63,18 @@
                 }                                                                                \
                 xr = sr;                                                                         \
             } else {                                                                             \
-                VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                        \
-                    const __m512 v = vload_##V(xr + i);                                          \
-                    ssv = _mm512_fmadd_ps(v, v, ssv);                                            \
+                VEC_ONLY(for (; i + VF_LANES <= dim; i += VF_LANES) {                                        \
+                    const vf v = vf_load_##V(xr + i);                                          \
+                    ssv = vf_fmadd(v, v, ssv);                                            \
                 })                                                                               \
                 for (; i < dim; i++) { const float v = LOAD(xr, i); ss += v * v; }               \
             }                                                                                    \
-            VEC_ONLY(ss += _mm512_reduce_add_ps(ssv);)                                           \
+            VEC_ONLY(ss += vf_reduce_add(ssv);)                                           \
             const float inv = 1.f / sqrtf(ss / dim + eps);                                       \
             i = 0;                                                                               \
-            VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                            \
-                const __m512 v = vround_##V(_mm512_mul_ps(vload_##V(xr + i), _mm512_set1_ps(inv))); \
-                vstore_##V(o + i, vround_##V(_mm512_mul_ps(vload_##V(weight + i), v)));         \
+            VEC_ONLY(for (; i + VF_LANES <= dim; i += VF_LANES) {                                            \
+                const vf v = vf_round_##V(vf_mul(vf_load_##V(xr + i), vf_set1(inv))); \
+                vf_store_##V(o + i, vf_round_##V(vf_mul(vf_load_##V(weight + i), v)));         \
             })                                                                                   \
             for (; i < dim; i++)                                                                 \
                 STORE(o, i, ROUND(LOAD(weight, i) * ROUND(LOAD(xr, i) * inv)));                  \
@@ -91,18 +92,18 @@
             T *o = out + (long)r * dim;                                                          \
             float ss = 0.f;                                                                      \
             int i = 0;                                                                           \
-            VEC_ONLY(__m512 ssv = _mm512_setzero_ps();                                           \
-                     for (; i + 16 <= dim; i += 16) {                                            \
-                         const __m512 v = vload_##V(xr + i);                                     \
-                         ssv = _mm512_fmadd_ps(v, v, ssv);                                       \
+            VEC_ONLY(vf ssv = vf_zero();                                           \
+                     for (; i + VF_LANES <= dim; i += VF_LANES) {                                            \
+                         const vf v = vf_load_##V(xr + i);                                     \
+                         ssv = vf_fmadd(v, v, ssv);                                       \
                      })                                                                          \
             for (; i < dim; i++) { const float v = LOAD(xr, i); ss += v * v; }                   \
-            VEC_ONLY(ss += _mm512_reduce_add_ps(ssv);)                                           \
+            VEC_ONLY(ss += vf_reduce_add(ssv);)                                           \
             const float inv = 1.f / sqrtf(ss / dim + eps);                                       \
             i = 0;                                                                               \
-            VEC_ONLY(for (; i + 16 <= dim; i += 16) {                                            \
-                const __m512 v = _mm512_mul_ps(vload_##V(xr + i), _mm512_set1_ps(inv));          \
-                vstore_##V(o + i, vround_##V(_mm512_mul_ps(v, _mm512_loadu_ps(weight + i))));  \
+            VEC_ONLY(for (; i + VF_LANES <= dim; i += VF_LANES) {                                            \
+                const vf v = vf_mul(vf_load_##V(xr + i), vf_set1(inv));          \
+                vf_store_##V(o + i, vf_round_##V(vf_mul(v, vf_load_f32(weight + i))));  \
             })                                                                                   \
             for (; i < dim; i++)                                                                 \
                 STORE(o, i, ROUND(LOAD(xr, i) * inv * weight[i]));                               \
@@ -121,14 +122,14 @@
             for (int h = 0; h < num_heads; h++) {                                                \
                 T *v = x + r * x_stride + (long)h * head_dim;                                    \
                 int i = 0;                                                                       \
-                VEC_ONLY(for (; i + 16 <= half; i += 16) {                                       \
-                    const __m512 a = vload_##V(v + i), b = vload_##V(v + i + half);              \
-                    const __m512 ac = vround_##V(_mm512_mul_ps(a, vload_##V(c + i)));            \
-                    const __m512 bs = vround_##V(_mm512_mul_ps(b, vload_##V(s + i)));            \
-                    const __m512 bc = vround_##V(_mm512_mul_ps(b, vload_##V(c + i + half)));     \
-                    const __m512 as = vround_##V(_mm512_mul_ps(a, vload_##V(s + i + half)));     \
-                    vstore_##V(v + i, vround_##V(_mm512_sub_ps(ac, bs)));                        \
-                    vstore_##V(v + i + half, vround_##V(_mm512_add_ps(bc, as)));                 \
+                VEC_ONLY(for (; i + VF_LANES <= half; i += VF_LANES) {                                       \
+                    const vf a = vf_load_##V(v + i), b = vf_load_##V(v + i + half);              \
+                    const vf ac = vf_round_##V(vf_mul(a, vf_load_##V(c + i)));            \
+                    const vf bs = vf_round_##V(vf_mul(b, vf_load_##V(s + i)));            \
+                    const vf bc = vf_round_##V(vf_mul(b, vf_load_##V(c + i + half)));     \
+                    const vf as = vf_round_##V(vf_mul(a, vf_load_##V(s + i + half)));     \
+                    vf_store_##V(v + i, vf_round_##V(vf_sub(ac, bs)));                        \
+                    vf_store_##V(v + i + half, vf_round_##V(vf_add(bc, as)));                 \
                 })                                                                               \
                 for (; i < half; i++) {                                                          \
                     const float a = LOAD(v, i), b = LOAD(v, i + half);                           \
@@ -149,11 +150,11 @@
             const T *g = gate_up + r * stride, *u = g + inter;                                   \
             T *o = out + (long)r * inter;                                                        \
             int i = 0;                                                                           \
-            VEC_ONLY(for (; i + 16 <= inter; i += 16) {                                          \
-                const __m512 v = vload_##V(g + i);                                               \
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));                  \
-                const __m512 act = vround_##V(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e))); \
-                vstore_##V(o + i, vround_##V(_mm512_mul_ps(act, vload_##V(u + i))));            \
+            VEC_ONLY(for (; i + VF_LANES <= inter; i += VF_LANES) {                                          \
+                const vf v = vf_load_##V(g + i);                                               \
+                const vf e = vf_exp(vf_sub(vf_zero(), v));                  \
+                const vf act = vf_round_##V(vf_div(v, vf_add(vf_set1(1.f), e))); \
+                vf_store_##V(o + i, vf_round_##V(vf_mul(act, vf_load_##V(u + i))));            \
             })                                                                                   \
             for (; i < inter; i++) {                                                             \
                 const float v = LOAD(g, i);                                                      \

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec256.h"
 #include "vec512.h"
 
 /* Ask for `bytes` from p on into the cache ahead of use. A sequence's K/V rows are scattered
@@ -58,13 +59,29 @@ static inline void prefetch_bytes(const void *p, long bytes) {
         }                                                                                        \
         for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
     }
+#elif HAVE_VEC256 /* the same loops 8 values at a time (vec256.h): LOAD16 names the 8-lane load */
+#define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
+    static inline void NAME(float *dst, const T *src, int n) {                                   \
+        if (n % 8 == 0) {                                                                        \
+            for (int d = 0; d < n; d += 8) _mm256_storeu_ps(dst + d, LOAD16(src + d));           \
+            return;                                                                              \
+        }                                                                                        \
+        for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
+    }
 #else
 #define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
     static inline void NAME(float *dst, const T *src, int n) {                                   \
         for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
     }
 #endif
-DEFINE_ROW_TO_F32(row_to_f32_bf16, uint16_t, vload_bf16, LOAD_BF16)
+#if HAVE_VEC512
+#define VLOAD_BF16 vload_bf16
+#define VLOAD_F32 vload_f32
+#elif HAVE_VEC256
+#define VLOAD_BF16 vload8_bf16
+#define VLOAD_F32 vload8_f32
+#endif
+DEFINE_ROW_TO_F32(row_to_f32_bf16, uint16_t, VLOAD_BF16, LOAD_BF16)
 
 static inline void row_to_f32_f32(float *dst, const float *src, int n) { memcpy(dst, src, sizeof(float) * n); }
 
@@ -77,6 +94,15 @@ static inline float dot_f32(const float *a, const float *b, int n) {
             s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), s1);
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#elif HAVE_VEC256
+    if (n % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int d = 0; d < n; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        }
+        return hsum256(_mm256_add_ps(s0, s1));
     }
 #endif
     float s = 0.f;
@@ -103,6 +129,19 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
         tv = _mm512_add_ps(tv, e);
     }
     total = _mm512_reduce_add_ps(tv);
+#elif HAVE_VEC256
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    mx = hmax256(mv);
+    for (int i = j; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 tv = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+        _mm256_storeu_ps(s + j, e);
+        tv = _mm256_add_ps(tv, e);
+    }
+    total = hsum256(tv);
 #else
     for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
@@ -135,6 +174,26 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
         for (int t = 0; t < count; t++)                                                          \
             for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
     }
+#elif HAVE_VEC256
+#define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
+    static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
+                            int head_dim) {                                                      \
+        if (head_dim % 16 == 0) {                                                                \
+            for (int c = 0; c < head_dim; c += 16) {                                             \
+                __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);         \
+                for (int t = 0; t < count; t++) {                                                \
+                    const __m256 wt = _mm256_set1_ps(w[t]);                                      \
+                    a0 = _mm256_fmadd_ps(wt, LOAD16(v + t * stride + c), a0);                    \
+                    a1 = _mm256_fmadd_ps(wt, LOAD16(v + t * stride + c + 8), a1);                \
+                }                                                                                \
+                _mm256_storeu_ps(acc + c, a0);                                                   \
+                _mm256_storeu_ps(acc + c + 8, a1);                                               \
+            }                                                                                    \
+            return;                                                                              \
+        }                                                                                        \
+        for (int t = 0; t < count; t++)                                                          \
+            for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
+    }
 #else
 #define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
     static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
@@ -147,11 +206,17 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
 static inline __m512 vload_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+#define VLOAD_I8 vload_i8
+#elif HAVE_VEC256
+static inline __m256 vload8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define VLOAD_I8 vload8_i8
 #endif
 #define LOAD_I8(p, i) ((float)(p)[i])
-DEFINE_PV_TILE(pv_tile_bf16, uint16_t, vload_bf16, LOAD_BF16)
-DEFINE_PV_TILE(pv_tile_f32, float, vload_f32, LOAD_F32)
-DEFINE_PV_TILE(pv_tile_i8, int8_t, vload_i8, LOAD_I8)
+DEFINE_PV_TILE(pv_tile_bf16, uint16_t, VLOAD_BF16, LOAD_BF16)
+DEFINE_PV_TILE(pv_tile_f32, float, VLOAD_F32, LOAD_F32)
+DEFINE_PV_TILE(pv_tile_i8, int8_t, VLOAD_I8, LOAD_I8)
 
 /* The value pass for all `group` query heads of one KV head at once: each V row is loaded
  * (and converted) once for the group instead of once per head, with the same per-head
@@ -201,6 +266,45 @@ DEFINE_PV_TILE(pv_tile_i8, int8_t, vload_i8, LOAD_I8)
         default: return 0;                                                                       \
         }                                                                                        \
     }
+#elif HAVE_VEC256
+#define MAX_PV_GROUP 6 /* 12 accumulators + 2 values + 1 weight of AVX2's 16 registers */
+#define DEFINE_PV_GROUP(NAME, T, LOAD16)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_g(                                 \
+        const int G, float *acc, const float *w, long w_stride, const T *v, long stride,         \
+        int count, int head_dim) {                                                               \
+        for (int c = 0; c < head_dim; c += 16) {                                                 \
+            __m256 a0[MAX_PV_GROUP], a1[MAX_PV_GROUP];                                           \
+            for (int g = 0; g < G; g++) {                                                        \
+                a0[g] = _mm256_loadu_ps(acc + (long)g * head_dim + c);                           \
+                a1[g] = _mm256_loadu_ps(acc + (long)g * head_dim + c + 8);                       \
+            }                                                                                    \
+            for (int t = 0; t < count; t++) {                                                    \
+                const __m256 v0 = LOAD16(v + t * stride + c), v1 = LOAD16(v + t * stride + c + 8); \
+                for (int g = 0; g < G; g++) {                                                    \
+                    const __m256 wt = _mm256_set1_ps(w[g * w_stride + t]);                       \
+                    a0[g] = _mm256_fmadd_ps(wt, v0, a0[g]);                                      \
+                    a1[g] = _mm256_fmadd_ps(wt, v1, a1[g]);                                      \
+                }                                                                                \
+            }                                                                                    \
+            for (int g = 0; g < G; g++) {                                                        \
+                _mm256_storeu_ps(acc + (long)g * head_dim + c, a0[g]);                           \
+                _mm256_storeu_ps(acc + (long)g * head_dim + c + 8, a1[g]);                       \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    static inline int NAME(int group, float *acc, const float *w, long w_stride, const T *v,     \
+                           long stride, int count, int head_dim) {                              \
+        if (head_dim % 16) return 0;                                                             \
+        switch (group) {                                                                         \
+        case 1: NAME##_g(1, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 2: NAME##_g(2, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 3: NAME##_g(3, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 4: NAME##_g(4, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 5: NAME##_g(5, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 6: NAME##_g(6, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        default: return 0;                                                                       \
+        }                                                                                        \
+    }
 #else
 #define DEFINE_PV_GROUP(NAME, T, LOAD16)                                                         \
     static inline int NAME(int group, float *acc, const float *w, long w_stride, const T *v,     \
@@ -210,9 +314,9 @@ DEFINE_PV_TILE(pv_tile_i8, int8_t, vload_i8, LOAD_I8)
         return 0;                                                                                \
     }
 #endif
-DEFINE_PV_GROUP(pv_group_bf16, uint16_t, vload_bf16)
-DEFINE_PV_GROUP(pv_group_f32, float, vload_f32)
-DEFINE_PV_GROUP(pv_group_i8, int8_t, vload_i8)
+DEFINE_PV_GROUP(pv_group_bf16, uint16_t, VLOAD_BF16)
+DEFINE_PV_GROUP(pv_group_f32, float, VLOAD_F32)
+DEFINE_PV_GROUP(pv_group_i8, int8_t, VLOAD_I8)
 
 /* Scores against int8 K rows, 16 keys at a time. Per key and KV head the row is converted to
  * float32 once, into registers (D a constant: 64 or 128), and multiplied with each of its
@@ -266,7 +370,7 @@ static inline void flush_partials(__m512 *part, const float *ks, int nh, int gro
 #define I8_FLUSH(part, ks, nh, group, count, scores, n, j0) ((void)0)
 #endif
 
-DEFINE_ROW_TO_F32(row_to_f32_i8, int8_t, vload_i8, LOAD_I8)
+DEFINE_ROW_TO_F32(row_to_f32_i8, int8_t, VLOAD_I8, LOAD_I8)
 
 /* Scores of one key for the query heads of KV heads [kvh0, kvh0 + nkv), bf16 K against the
  * bf16 queries as they are, with AVX-512 BF16 dot products (each product exact in float32,
