@@ -18,6 +18,9 @@
  * Tiles: C0-C3 the 2 x 2 blocks of 16 rows x 16 channels, A (tmm4, tmm5) two row blocks of x,
  * B (tmm6, tmm7) two channel blocks of W: 4 tile products per 4 tile loads.
  */
+/* syscall() is declared by unistd.h only outside strict C11 (-std=c11): without this it was an
+ * implicit declaration returning int. */
+#define _DEFAULT_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
