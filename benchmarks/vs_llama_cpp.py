@@ -23,6 +23,10 @@ the sdist's convert_hf_to_gguf.py and quantized to Q4_K_M): speed only, no quali
 from it. `--roof` adds the memory-bandwidth roof of one decode stream: measured read bandwidth /
 weight bytes read per token.
 
+The machine must be otherwise idle: before each level the script waits for other programs to
+leave the CPUs (--wait-idle), and it measures a level again (--retries) when the CPU time of
+programs other than itself and its servers came to more than 0.15 cores during it.
+
     .venv/bin/python benchmarks/vs_llama_cpp.py --build-only                  # build llama.cpp once
     .venv/bin/python benchmarks/vs_llama_cpp.py --streams 1,8,32 --rounds 3 --json vs.json
     .venv/bin/python benchmarks/vs_llama_cpp.py --model 1b --streams 1,8 --roof
@@ -269,6 +273,22 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def measure_roof(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The roof of one decode stream, its bandwidth measured again where other programs took CPU."""
+    for _ in range(args.retries + 1):
+        wait_idle(args.wait_idle)
+        watch = OtherWork()
+        bandwidth = read_bandwidth()
+        other = watch.cores()
+        if other <= OTHER_WORK_CORES:
+            break
+    else:
+        args.notes.append(f"read bandwidth: other programs used {other:.2f} cores while it was measured")
+    weights = weight_bytes_per_token(gguf)
+    return {"read_bytes_per_s": bandwidth, "weight_bytes_per_token": weights, "tok_s": bandwidth / weights,
+            "other_cores": other}  # fmt: skip
+
+
 # ---- servers ---------------------------------------------------------------------------------------
 
 
@@ -395,7 +415,9 @@ async def measure_level(url: str, streams: int, seed: int, timeout_s: float) -> 
 
 
 def check_counts(name: str, m: dict[str, Any]) -> list[str]:
-    """Warnings where a level's token counts are not the 128 per request asked for."""
+    """Warnings where a level's token counts are not the 128 per request asked for. Text chunks may
+    fall a little short of the tokens (a token with no text of its own, such as a special token or
+    part of a UTF-8 character, sends none), so only a gap of over 5% is flagged."""
     notes = []
     if m["failed"]:
         notes.append(f"{name} c={m['streams']}: {m['failed']} failed: {m['errors'][:2]}")
@@ -403,7 +425,7 @@ def check_counts(name: str, m: dict[str, Any]) -> list[str]:
         notes.append(f"{name} c={m['streams']}: output tokens per request {m['output_tokens_per_request']}")
     if not m["usage_reported"]:
         notes.append(f"{name} c={m['streams']}: no usage in the stream; tokens counted as chunks")
-    elif m["chunks_per_request"] != [OUTPUT_TOKENS]:
+    elif min(m["chunks_per_request"], default=0) < 0.95 * OUTPUT_TOKENS:
         notes.append(f"{name} c={m['streams']}: text chunks per request {m['chunks_per_request'][:8]}")
     return notes
 
@@ -596,18 +618,10 @@ def main() -> int:
 
     log_dir = args.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"vs-llama-cpp-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    roof = None
-    if args.roof:
-        wait_idle(args.wait_idle)
-        bandwidth, weights = read_bandwidth(), weight_bytes_per_token(gguf)
-        roof = {
-            "read_bytes_per_s": bandwidth,
-            "weight_bytes_per_token": weights,
-            "tok_s": bandwidth / weights,
-        }
+    args.notes = []
+    roof = measure_roof(gguf, args) if args.roof else None
     started = dt.datetime.now(dt.UTC)
     rounds: list[dict[str, Any]] = []
-    args.notes = []
     for rnd in range(args.rounds):
         order = ["llama", "fornax"] if rnd % 2 == 0 else ["fornax", "llama"]
         rounds.append({name: run_server(name, gguf, args, log_dir, rnd) for name in order})
@@ -628,6 +642,11 @@ def main() -> int:
           f"{OUTPUT_TOKENS} greedy tokens ignoring EOS, 2 x streams requests after a warm-up")  # fmt: skip
     print()
     print(format_table(rounds, args.streams))
+    levels = [m for r in rounds for by_level in r.values() for m in by_level.values()]
+    tokens = sorted({n for m in levels for n in m["output_tokens_per_request"]})
+    chunks = [n for m in levels for n in m["chunks_per_request"]]
+    print(f"\noutput tokens per request, from the servers' usage: {', '.join(map(str, tokens))}; "
+          f"streamed text chunks per request: {min(chunks, default=0)}-{max(chunks, default=0)}")  # fmt: skip
     if roof:
         print(f"\nmemory-bandwidth roof, one decode stream: {roof['tok_s']:.1f} tok/s "
               f"({roof['read_bytes_per_s'] / 1e9:.1f} GB/s read / {roof['weight_bytes_per_token'] / 1e6:.1f} MB "

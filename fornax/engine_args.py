@@ -91,7 +91,10 @@ class EngineArgs:
         _declared(EngineConfig, "model"), "GGUF file, HF directory or alias", flags=("--model", "-m")
     )
     dtype: str = _arg(
-        _declared(EngineConfig, "dtype"), "weights' and activations' dtype", choices=list(DTYPES)
+        "auto",
+        "weights' and activations' dtype (auto: bfloat16 where the native kernels or the CPU compute it, "
+        "else float32: layers/kernel_plan.py resolve_dtype)",
+        choices=["auto", *DTYPES],
     )
     quantization: str | None = _arg(
         _declared(EngineConfig, "quantization"),
@@ -309,10 +312,18 @@ class EngineArgs:
         """The fields as LLM's keyword arguments (a shallow copy: values are not converted)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def resolved_dtype(self) -> str:
+        """`dtype`, with "auto" decided for this CPU and kernel backend (it may build the kernels)."""
+        if self.dtype != "auto":
+            return self.dtype
+        from fornax.layers.kernel_plan import resolve_dtype  # loads torch: only when an engine is made
+
+        return resolve_dtype(self.kernel_backend)
+
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=str(self.model),
-            dtype=self.dtype,
+            dtype=self.resolved_dtype(),
             quantization=self.quantization,
             small_step_max_rows=self.small_step_max_rows,
             large_step_quantization=self.large_step_quantization,

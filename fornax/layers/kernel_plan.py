@@ -1,4 +1,5 @@
-"""What the native kernels run on this CPU, said in one line (docs/kernels.md).
+"""What the native kernels run on this CPU, said in one line, and the activation dtype that
+suits it (docs/kernels.md).
 
 `describe` reads the forms a loaded model's Linears actually hold (not what was asked for),
 so the line cannot claim a kernel that did not load: the start-up log, `/v1/models` and
@@ -8,6 +9,7 @@ attention bf16`.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -78,3 +80,32 @@ def isa_summary() -> str:
         return "none (torch ops)"
     choice = isa.current()
     return choice.level.summary if choice.level is not None else "scalar"
+
+
+logger = logging.getLogger("fornax.kernels")
+# CPU flags under which torch computes bf16 matmuls natively (oneDNN's AVX-512 BF16 / AMX paths).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def choose_dtype(kernels_loaded: bool, flags: frozenset[str]) -> str:
+    """dtype "auto": bfloat16 where fornax's kernels run (they widen bf16 to float32 in registers,
+    at every level) or where the CPU multiplies bf16 itself; else float32, since torch would
+    emulate every bf16 matmul (on an AVX2 CPU a 16-prompt batch ran ~3x slower in bf16 than in
+    float32, 2026-12-06)."""
+    return "bfloat16" if kernels_loaded or flags & NATIVE_BF16_FLAGS else "float32"
+
+
+def resolve_dtype(kernel_backend: str) -> str:
+    """choose_dtype for this process, saying once why where it picks float32."""
+    from fornax.layers.native import library_loaded
+
+    loaded = kernel_backend == "native" and library_loaded()
+    dtype = choose_dtype(loaded, isa.cpu_flags())
+    if dtype == "float32":
+        why = "kernel_backend torch" if kernel_backend != "native" else "no native kernels"
+        logger.warning(
+            "dtype auto -> float32 (%s, and this CPU has no native bf16: bf16 would be emulated, "
+            "several times slower); activations and K/V then take twice bf16's memory",
+            why,
+        )
+    return dtype

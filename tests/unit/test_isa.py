@@ -8,7 +8,7 @@ import torch
 
 from fornax.config import ConfigError
 from fornax.layers import isa
-from fornax.layers.kernel_plan import describe, step_forms
+from fornax.layers.kernel_plan import choose_dtype, describe, step_forms
 from fornax.layers.linear import Linear
 
 ZEN2 = frozenset("fpu sse2 avx avx2 fma f16c bmi2".split())
@@ -78,3 +78,10 @@ def test_the_summary_names_the_forms_each_step_size_gets():
     line = describe([lin, lin], "f32")
     assert line.endswith("decode f32 (torch), large steps f32 (torch), attention f32")
     assert line.startswith("kernels: ")
+
+
+def test_auto_dtype_is_float32_only_where_bf16_would_be_emulated():
+    assert choose_dtype(True, ZEN2) == "bfloat16"  # the kernels widen bf16 themselves
+    assert choose_dtype(False, ZEN2) == "float32"  # torch alone would emulate bf16
+    assert choose_dtype(False, ZEN4) == "bfloat16"  # AVX-512 BF16: torch's bf16 is native
+    assert choose_dtype(False, SAPPHIRE) == "bfloat16"
