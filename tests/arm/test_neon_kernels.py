@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from fornax.layers.linear import BlockInt4, BlockInt8, Int8Rotated, hadamard_blocks
 from fornax.layers.native import load_int8_matmul
+from tests.model.test_quant_matmul import _reference as quant_definition
 
 CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64-static")
@@ -182,21 +183,8 @@ def outputs(request, tmp_path_factory) -> tuple[str, Path]:
 # ---- the definitions the x86 tests check against ----
 
 
-def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    groups = x.float().view(x.shape[0], -1, 4)  # one int8 scale per 4 consecutive values
-    scale = groups.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(groups / scale) * scale).view_as(x)
-
-
-def _quant_reference(form, x: torch.Tensor) -> torch.Tensor:
-    """x W^T with the kernel's activation rounding; Q4's offsets meet the exact block sums."""
-    xq = _rounded_activations(x)
-    y = xq @ form.dequantize().T
-    if isinstance(form, BlockInt4):
-        n = form.out_features
-        exact, rounded = x.float().view(x.shape[0], -1, 32).sum(-1), xq.view(x.shape[0], -1, 32).sum(-1)
-        y += (exact - rounded) @ form.m[:n].float().T
-    return y
+# the same functions tests/model/test_quant_matmul.py checks the x86 kernels with
+_quant_reference = quant_definition
 
 
 def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
