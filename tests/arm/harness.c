@@ -1,12 +1,13 @@
-/* A driver for the integer matmul kernels with no Python and no torch, so that an AArch64
- * build of them (the NEON paths: fornax/layers/kernels/quant_matmul_neon.h and
- * int8_matmul_neon.h) can run under qemu-user and be checked against the same references
- * as the x86 kernels (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
+/* A driver for the integer matmul kernels and the fused elementwise ops with no Python and
+ * no torch, so that an AArch64 build of them (the NEON paths: fornax/layers/kernels/
+ * quant_matmul_neon.h, int8_matmul_neon.h, and fused_ops.c on vec128.h) can run under
+ * qemu-user and be checked against the same references as the x86 kernels
+ * (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
  *
  * Build: link with the kernels' own sources, e.g.
  *   aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod -fopenmp -std=c11 -ffp-contract=fast -static \
- *       tests/arm/harness.c fornax/layers/kernels/quant_matmul.c fornax/layers/kernels/int8_matmul.c \
- *       -o harness -lm
+ *       -Ifornax/layers/kernels tests/arm/harness.c fornax/layers/kernels/quant_matmul.c \
+ *       fornax/layers/kernels/int8_matmul.c fornax/layers/kernels/fused_ops.c -o harness -lm
  * Run:   qemu-aarch64-static ./harness CASE_DIR [CASE_DIR ...]
  * It prints one line per case ("ok DIR") and exits 0, or names what failed and exits 1.
  *
@@ -35,11 +36,29 @@
  *     qscale.f32 float32 [rows] (rotate_quantize_rows_bf16, given_max as the product's),
  *     rowmax.f32 float32 [rows] (rotated_row_max_bf16)
  * A kernel's nonzero status is reported as a failure.
+ *
+ * The fused elementwise ops (fused_ops.c, vectorized by vec.h: NEON's 4 lanes here) take ops
+ * 4 .. 11, an even op on float32 (files *.f32), the odd one after it on bfloat16 bits (*.bf16);
+ * T below is that type. Rows are read as [rows, ldx] (ldx: the row stride in elements), and
+ * eps.f32 is float32[1]:
+ *   op 4/5 (rms_norm_f32 / _bf16): k = n = dim; x.T [rows, ldx], w.T [dim], eps.f32,
+ *     r.T [rows, ldx] optional (the residual, same stride); outputs y.T [rows, dim] and, with
+ *     a residual, sum.T [rows, dim] (x + r as stored)
+ *   op 6/7 (rms_norm_f32w_f32 / _bf16): k = n = dim; x.T [rows, ldx], w.f32 float32 [dim],
+ *     eps.f32; output y.T [rows, dim]
+ *   op 8/9 (rotary_f32 / _bf16): k = head_dim (even), n = num_heads (ldx >= n * k); x.T
+ *     [rows, ldx], cos.T and sin.T [rows, head_dim]; output y.T [rows, ldx] (x after the
+ *     rotation in place, the untouched columns too)
+ *   op 10/11 (silu_mul_f32 / _bf16): k = n = inter (ldx >= 2 * inter); x.T [rows, ldx] (gate
+ *     then up); output y.T [rows, inter]
+ * `harness --lanes` prints "lanes L": vec.h's VF_LANES in this build (1: no vector path).
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vec.h" /* only for --lanes: the fused ops' vector width under this build's flags */
 
 /* quant_matmul.c (DEFINE_QUANT_MATMUL) */
 int quant_matmul_available(void);
@@ -57,6 +76,23 @@ int int8_matmul_bf16(const uint16_t *x, long ldx, int rows, int k, const int8_t 
 int rotate_quantize_rows_bf16(const uint16_t *x, long ldx, int rows, int k, int8_t *q, float *scale,
                               int num_threads, const float *given_max);
 int rotated_row_max_bf16(const uint16_t *x, long ldx, int rows, int k, float *row_max, int num_threads);
+/* fused_ops.c (DEFINE_RMS_NORM, DEFINE_RMS_NORM_F32W, DEFINE_ROTARY, DEFINE_SILU_MUL) */
+void rms_norm_f32(const float *x, long x_stride, const float *residual, long r_stride, float *sum_out,
+                  const float *weight, float *out, int rows, int dim, float eps, int num_threads);
+void rms_norm_bf16(const uint16_t *x, long x_stride, const uint16_t *residual, long r_stride, uint16_t *sum_out,
+                   const uint16_t *weight, uint16_t *out, int rows, int dim, float eps, int num_threads);
+void rms_norm_f32w_f32(const float *x, long x_stride, const float *weight, float *out, int rows, int dim,
+                       float eps, int num_threads);
+void rms_norm_f32w_bf16(const uint16_t *x, long x_stride, const float *weight, uint16_t *out, int rows, int dim,
+                        float eps, int num_threads);
+void rotary_f32(float *x, long x_stride, int rows, int num_heads, int head_dim, const float *cos,
+                const float *sin, int num_threads);
+void rotary_bf16(uint16_t *x, long x_stride, int rows, int num_heads, int head_dim, const uint16_t *cos,
+                 const uint16_t *sin, int num_threads);
+void silu_mul_f32(const float *gate_up, long stride, float *out, int rows, int inter, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, long stride, uint16_t *out, int rows, int inter, int num_threads);
+
+enum { OP_RMS_NORM = 4, OP_RMS_NORM_F32W = 6, OP_ROTARY = 8, OP_SILU_MUL = 10, OP_FUSED_END = 12 };
 
 static const char *case_dir;
 
@@ -144,7 +180,73 @@ static int run_int8(int rows, int k, int n, int ldx, int threads) {
     return bad;
 }
 
+/* `stem`.f32 or `stem`.bf16 (the case's element type), `count` elements. */
+static void *read_typed(const char *stem, int bf16, size_t count, int optional) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.%s", stem, bf16 ? "bf16" : "f32");
+    return read_input(name, count * (bf16 ? sizeof(uint16_t) : sizeof(float)), optional);
+}
+
+static int write_typed(const char *stem, int bf16, const void *data, size_t count) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.%s", stem, bf16 ? "bf16" : "f32");
+    return write_output(name, data, count * (bf16 ? sizeof(uint16_t) : sizeof(float)));
+}
+
+static int run_fused(int op, int rows, int k, int n, int ldx, int threads) {
+    const int bf16 = op & 1, kind = op & ~1;
+    const size_t es = bf16 ? sizeof(uint16_t) : sizeof(float), in = (size_t)rows * ldx;
+    if ((kind == OP_ROTARY && (k % 2 || (long)n * k > ldx)) || (kind == OP_SILU_MUL && (n != k || 2L * k > ldx)) ||
+        ((kind == OP_RMS_NORM || kind == OP_RMS_NORM_F32W) && n != k))
+        return fail("bad params for a fused op");
+    void *x = read_typed("x", bf16, in, 0);
+    int bad = !x;
+    if (kind == OP_RMS_NORM || kind == OP_RMS_NORM_F32W) {
+        float *eps = read_input("eps.f32", sizeof(float), 0);
+        void *w = kind == OP_RMS_NORM ? read_typed("w", bf16, k, 0) : read_input("w.f32", sizeof(float) * k, 0);
+        void *r = kind == OP_RMS_NORM ? read_typed("r", bf16, in, 1) : NULL;
+        void *y = calloc((size_t)rows * k, es), *sum = r ? calloc((size_t)rows * k, es) : NULL;
+        bad = bad || !eps || !w || !y || (r && !sum);
+        if (!bad) {
+            if (kind == OP_RMS_NORM && bf16) rms_norm_bf16(x, ldx, r, ldx, sum, w, y, rows, k, *eps, threads);
+            else if (kind == OP_RMS_NORM) rms_norm_f32(x, ldx, r, ldx, sum, w, y, rows, k, *eps, threads);
+            else if (bf16) rms_norm_f32w_bf16(x, ldx, w, y, rows, k, *eps, threads);
+            else rms_norm_f32w_f32(x, ldx, w, y, rows, k, *eps, threads);
+            bad = write_typed("y", bf16, y, (size_t)rows * k) || (sum && write_typed("sum", bf16, sum, (size_t)rows * k));
+        }
+        free(eps), free(w), free(r), free(y), free(sum);
+    } else if (kind == OP_ROTARY) {
+        void *c = read_typed("cos", bf16, (size_t)rows * k, 0), *s = read_typed("sin", bf16, (size_t)rows * k, 0);
+        bad = bad || !c || !s;
+        if (!bad) {
+            if (bf16) rotary_bf16(x, ldx, rows, n, k, c, s, threads);
+            else rotary_f32(x, ldx, rows, n, k, c, s, threads);
+            bad = write_typed("y", bf16, x, in);
+        }
+        free(c), free(s);
+    } else {
+        void *y = calloc((size_t)rows * k, es);
+        bad = bad || !y;
+        if (!bad) {
+            if (bf16) silu_mul_bf16(x, ldx, y, rows, k, threads);
+            else silu_mul_f32(x, ldx, y, rows, k, threads);
+            bad = write_typed("y", bf16, y, (size_t)rows * k);
+        }
+        free(y);
+    }
+    free(x);
+    return bad;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--lanes") == 0) {
+#if HAVE_VEC
+        printf("lanes %d\n", VF_LANES);
+#else
+        printf("lanes 1\n");
+#endif
+        return 0;
+    }
     if (!quant_matmul_available() || !int8_matmul_available()) {
         fprintf(stderr, "FAIL: the integer kernels are not compiled in for this target\n");
         return 1;
@@ -163,6 +265,7 @@ int main(int argc, char **argv) {
         if (rows < 1 || k < 1 || n < 1 || ldx < k || threads < 1) bad = fail("bad params");
         else if (op == 1 || op == 2) bad = run_quant(op == 1, rows, k, n, ldx, threads);
         else if (op == 3) bad = run_int8(rows, k, n, ldx, threads);
+        else if (op >= OP_RMS_NORM && op < OP_FUSED_END) bad = run_fused(op, rows, k, n, ldx, threads);
         else bad = fail("unknown op");
         if (!bad) printf("ok %s\n", case_dir);
         failed |= bad;

@@ -1,5 +1,6 @@
-"""The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h),
-cross-compiled for AArch64 and run under qemu-user, against the definitions the x86 tests use.
+"""The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h)
+and fused elementwise ops (kernels/fused_ops.c on vec128.h), cross-compiled for AArch64 and
+run under qemu-user, against the definitions the x86 tests use.
 
 tests/arm/harness.c drives the kernels with no Python (its header gives the file format); it
 is built three times, statically: with the Armv8.2 dot product (sdot), with the int8 matrix
@@ -16,6 +17,13 @@ tests/model/test_quant_matmul.py and tests/model/test_int8_rotated.py check the 
   x86 kernel runs here (AVX2 or AVX-512), the NEON rounding, scales, row maxima and products
   must equal its output bit for bit: the same transform adds in the same order, the same
   integers, the same float ops.
+- fused ops (RMSNorm with and without the residual add, with a float32 weight, rotary,
+  SiLU * up; float32 and bf16): against the torch expressions (layers/ops.py's TorchOps) with
+  tests/model/test_native_kernels.py's tolerances, and against the x86 library's own output
+  bit for bit except where lane order or the exp of a scalar tail differs
+  (test_fused_ops_match_the_x86_library says where and by how much). Rows 1, 3, 17 (the
+  OpenMP loop), dims 64, 576 and 70 (a scalar tail), strided rows, bf16 rounding ties in the
+  residual add, infinities and NaN, and SiLU's gates at exp's clamp and overflow.
 
 Tile edges: activation rows 1, 2, 3, 5, 17 (the 2-row tiles of Q4/Q8, the 4- and 2-row
 register blocks of int8), output widths not a multiple of 4 or of 64, K = 64 .. 1536.
@@ -37,7 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from fornax.layers.linear import BlockInt4, BlockInt8, Int8Rotated, hadamard_blocks
-from fornax.layers.native import load_int8_matmul
+from fornax.layers.native import FusedOps, load_fused_ops, load_int8_matmul
+from fornax.layers.ops import TorchOps
+from fornax.layers.rotary import RotaryEmbedding
+from tests.model.test_native_kernels import TOL as FUSED_TOL
+from tests.model.test_native_kernels import _strided_rows
 from tests.model.test_quant_matmul import _reference as quant_definition
 
 CC = shutil.which("aarch64-linux-gnu-gcc")
@@ -145,10 +157,128 @@ CASE_NAMES = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
 
 
+# ---- the fused elementwise ops (fused_ops.c on vec128.h) ----
+
+OP_RMS_NORM, OP_RMS_NORM_F32W, OP_ROTARY, OP_SILU_MUL = 4, 6, 8, 10  # the harness adds 1 for bf16
+EXT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+FUSED_ROWS = [1, 3, 17]  # 17: past PARALLEL_MIN_ROWS, OpenMP's parallel loop
+FUSED_DIMS = [64, 576, 70]  # 70: 17 NEON vectors and a scalar tail of 2 (AVX2: 8 and 6)
+HEAD_DIM, NUM_HEADS = 64, 3
+
+
+@dataclass
+class FusedCase:
+    name: str
+    op: int  # OP_*: the float32 form; bf16 when x is
+    x: torch.Tensor  # [rows, width], a view with a row stride wider than width
+    k: int  # dim / head_dim / inter
+    n: int  # dim / num_heads / inter
+    weight: torch.Tensor | None = None
+    residual: torch.Tensor | None = None  # x's shape and row stride
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    eps: float = 1e-5
+
+
+def _with_stride(t: torch.Tensor) -> torch.Tensor:
+    """The rows of a strided view as the harness reads them: [rows, row stride], t at the start."""
+    base = t.new_zeros(t.shape[0], t.stride(0))
+    base[:, : t.shape[1]] = t
+    return base
+
+
+def _write_fused_case(case: FusedCase, directory: Path, threads: int) -> None:
+    directory.mkdir(parents=True)
+    bf16 = case.x.dtype == torch.bfloat16
+    ext = EXT[case.x.dtype]
+    params = [case.op + bf16, case.x.shape[0], case.k, case.n, case.x.stride(0), threads]
+    files = {"params": torch.tensor(params, dtype=torch.int32), f"x.{ext}": _with_stride(case.x)}
+    if case.op in (OP_RMS_NORM, OP_RMS_NORM_F32W):
+        files["eps.f32"] = torch.tensor([case.eps])
+        files[f"w.{EXT[case.weight.dtype]}"] = case.weight
+    if case.residual is not None:
+        assert case.residual.stride(0) == case.x.stride(0)
+        files[f"r.{ext}"] = _with_stride(case.residual)
+    if case.cos is not None:
+        files[f"cos.{ext}"], files[f"sin.{ext}"] = case.cos, case.sin
+    for name, t in files.items():
+        (directory / name).write_bytes(_bits(t))
+
+
+def _ties_and_specials(rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 x and residual (strided) whose sums are exact ties of bf16 rounding in row 0 (to even:
+    down from an even last bit, up from an odd one, both signs), infinities, NaN and overflow to
+    inf in row 1, random values after."""
+    x, r = _strided_rows(rows, dim, torch.bfloat16, 11), _strided_rows(rows, dim, torch.bfloat16, 12)
+    ulp = 2.0**-7  # bf16's step in [1, 2)
+    x[0] = torch.tensor([1.0, 1.0 + ulp, -1.0, -1.0 - ulp]).repeat(dim // 4 + 1)[:dim]
+    r[0] = torch.tensor([ulp / 2, ulp / 2, -ulp / 2, -ulp / 2]).repeat(dim // 4 + 1)[:dim]
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 3e38, -3e38, 1.0])
+    x[1] = special.repeat(dim // 6 + 1)[:dim]
+    r[1] = torch.tensor([1.0, 1.0, 1.0, 3e38, -3e38, 2.0]).repeat(dim // 6 + 1)[:dim]
+    return x, r
+
+
+def _silu_specials(rows: int, inter: int, dtype: torch.dtype) -> torch.Tensor:
+    """gate | up with row 0's gates at the edges of exp(-gate): around its clamp at -87 (gates 86
+    .. 200), around its overflow to inf past 88.72 (gates -86 .. -200: silu is -0 there),
+    +-inf, NaN, +-0 and tiny values."""
+    gate_up = _strided_rows(rows, 2 * inter, dtype, 13)
+    edges = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0]
+    edges += [86.0, 87.0, 87.5, 88.0, 88.7, 89.0, 100.0, 103.0, 200.0]
+    edges += [-86.0, -87.0, -87.5, -88.0, -88.7, -89.0, -100.0, -103.0, -200.0]
+    gate = torch.tensor(edges).repeat(inter // len(edges) + 1)[:inter]
+    gate_up[0, :inter] = gate.to(dtype)
+    return gate_up
+
+
+def _fused_cases() -> list[FusedCase]:
+    cases = []
+    for dtype, t in EXT.items():
+        for dim in FUSED_DIMS:
+            for rows in FUSED_ROWS:
+                seed = dim * 100 + rows
+                gen = torch.Generator().manual_seed(seed)
+                w32 = torch.rand(dim, generator=gen) + 0.5
+                x, r = _strided_rows(rows, dim, dtype, seed), _strided_rows(rows, dim, dtype, seed + 1)
+                tag = f"{t}-d{dim}-r{rows}"
+                cases.append(FusedCase(f"norm-{tag}", OP_RMS_NORM, x, dim, dim, weight=w32.to(dtype)))
+                cases.append(FusedCase(f"add-norm-{tag}", OP_RMS_NORM, x, dim, dim, w32.to(dtype), r))
+                cases.append(FusedCase(f"norm-f32w-{tag}", OP_RMS_NORM_F32W, x, dim, dim, w32, eps=1e-6))
+                gate_up = _strided_rows(rows, 2 * dim, dtype, seed + 2)
+                cases.append(FusedCase(f"silu-{tag}", OP_SILU_MUL, gate_up, dim, dim))
+        rope = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None)
+        for rows in FUSED_ROWS:
+            # q heads then k and v heads, as the fused QKV projection's rows: the first 3 rotated
+            qkv = _strided_rows(rows, (NUM_HEADS + 2) * HEAD_DIM, dtype, rows)
+            cos, sin = rope.cos_sin(
+                torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(rows)), dtype
+            )
+            cases.append(
+                FusedCase(f"rotary-{t}-r{rows}", OP_ROTARY, qkv, HEAD_DIM, NUM_HEADS, cos=cos, sin=sin)
+            )
+        for dim in (64, 70):
+            cases.append(
+                FusedCase(f"silu-edges-{t}-d{dim}", OP_SILU_MUL, _silu_specials(3, dim, dtype), dim, dim)
+            )
+    for dim in (64, 70):
+        gen = torch.Generator().manual_seed(dim)
+        w = (torch.rand(dim, generator=gen) + 0.5).bfloat16()
+        x, r = _ties_and_specials(3, dim)
+        cases.append(FusedCase(f"add-norm-edges-bf16-d{dim}", OP_RMS_NORM, x, dim, dim, w, r))
+    return cases
+
+
+FUSED_CASES = _fused_cases()
+FUSED_BY_NAME = {c.name: c for c in FUSED_CASES}
+FUSED_NAMES = list(FUSED_BY_NAME)
+assert len(FUSED_NAMES) == len(FUSED_CASES)
+
+
 def _build(march: str, out: Path) -> Path:
     """The harness with the kernels, statically linked; kernel sources compiled warning-free."""
     objects = []
-    for src in (HARNESS, KERNELS / "quant_matmul.c", KERNELS / "int8_matmul.c"):
+    for src in (HARNESS, KERNELS / "quant_matmul.c", KERNELS / "int8_matmul.c", KERNELS / "fused_ops.c"):
         obj = out / f"{src.stem}.o"
         cmd = [CC, "-O3", f"-march={march}", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wall"]
         cmd += ["-Werror", f"-I{KERNELS}", "-c", str(src), "-o", str(obj)]
@@ -175,8 +305,15 @@ def outputs(request, tmp_path_factory) -> tuple[str, Path]:
         directory = root / case.name
         _write_case(case, directory, threads=2 if i % 3 == 0 else 1)  # some cases through OpenMP's threads
         dirs.append(str(directory))
+    for case in FUSED_CASES:  # 2 threads: the 17-row cases take the parallel loop
+        directory = root / case.name
+        _write_fused_case(case, directory, threads=2)
+        dirs.append(str(directory))
     run = subprocess.run([QEMU, str(exe), *dirs], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    lanes = subprocess.run([QEMU, str(exe), "--lanes"], capture_output=True, text=True, timeout=60)
+    assert lanes.returncode == 0, lanes.stderr
+    (root / "lanes").write_text(lanes.stdout)
     return march, root
 
 
@@ -281,3 +418,178 @@ def test_whole_library_builds_for_aarch64(march, tmp_path):
     subprocess.run(
         [*cmd, "-o", str(tmp_path / "lib.so"), "-lm"], check=True, capture_output=True, timeout=300
     )
+
+
+# ---- the fused elementwise ops: against torch's expressions and the x86 library ----
+
+
+def _fused_outputs(root: Path, case: FusedCase) -> dict[str, torch.Tensor]:
+    """What the harness wrote for a case: y (and sum for the residual add), as the x86 wrapper returns them."""
+    out, dtype = root / case.name, case.x.dtype
+    rows, ext = case.x.shape[0], EXT[dtype]
+    if case.op == OP_ROTARY:  # the whole rows after the rotation in place
+        return {"y": _read(out / f"y.{ext}", dtype, (rows, case.x.stride(0)))}
+    got = {"y": _read(out / f"y.{ext}", dtype, (rows, case.n))}
+    if case.residual is not None:
+        got["sum"] = _read(out / f"sum.{ext}", dtype, (rows, case.n))
+    return got
+
+
+@functools.cache
+def _fused_reference(name: str) -> dict[str, torch.Tensor]:
+    """The torch expressions the kernels mirror (layers/ops.py's TorchOps, as the x86 tests use them)."""
+    case, ops = FUSED_BY_NAME[name], TorchOps()
+    if case.op == OP_RMS_NORM and case.residual is not None:
+        y, summed = ops.add_rms_norm(case.x, case.residual, case.weight, case.eps)
+        return {"y": y, "sum": summed}
+    if case.op == OP_RMS_NORM:
+        return {"y": ops.rms_norm(case.x, case.weight, case.eps)}
+    if case.op == OP_RMS_NORM_F32W:
+        return {"y": ops.rms_norm_f32_weight(case.x, case.weight, case.eps)}
+    if case.op == OP_SILU_MUL:
+        return {"y": ops.silu_mul(case.x)}
+    rows = case.x.shape[0]
+    rotated = ops.rotary_(case.x, case.n, case.cos, case.sin).reshape(rows, -1)
+    full = _with_stride(case.x)
+    full[:, : rotated.shape[1]] = rotated
+    return {"y": full}
+
+
+@functools.cache
+def _fused_x86() -> FusedOps | None:
+    """The x86 library's fused ops where they build here (None elsewhere)."""
+    return load_fused_ops()
+
+
+@functools.cache
+def _fused_x86_outputs(name: str) -> dict[str, torch.Tensor] | None:
+    """The same case through the x86 library (AVX-512 or AVX2 on this machine), or None."""
+    fused, case = _fused_x86(), FUSED_BY_NAME[name]
+    if fused is None:
+        return None
+    if case.op == OP_RMS_NORM:
+        y, summed = fused.rms_norm(case.x, case.weight, case.eps, case.residual)
+        return {"y": y} if summed is None else {"y": y, "sum": summed}
+    if case.op == OP_RMS_NORM_F32W:
+        return {"y": fused.rms_norm_f32_weight(case.x, case.weight, case.eps)}
+    if case.op == OP_SILU_MUL:
+        return {"y": fused.silu_mul(case.x)}
+    base = _with_stride(case.x)
+    fused.rotary_(base[:, : case.x.shape[1]], case.n, case.cos, case.sin)
+    return {"y": base}
+
+
+def _differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where a and b differ bit for bit, NaN counting as equal to any NaN (its payload is not specified)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return (a.view(ints) != b.view(ints)) & ~(a.isnan() & b.isnan())
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values apart a and b are (finite, same sign where nonzero)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    ai, bi = a.view(ints).long(), b.view(ints).long()
+    return torch.where(_differing_bits(a, b), (ai - bi).abs(), torch.zeros_like(ai))
+
+
+def _assert_near(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Within tol of the reference's largest finite magnitude (the x86 tests' measure), with NaN
+    and the infinities exactly where the reference has them."""
+    got, ref = got.float(), ref.float()
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+    assert torch.equal(got[ref.isinf()], ref[ref.isinf()])
+    finite = ref.isfinite()
+    err = (got[finite] - ref[finite]).abs().max().item()
+    assert err <= tol * ref[finite].abs().max().item(), err
+
+
+def test_neon_build_vectorizes_the_fused_ops(outputs):
+    """vec.h picks NEON's 4 lanes under every -march here, so the checks below test vec128.h
+    and not fused_ops.c's scalar loops."""
+    _, root = outputs
+    assert (root / "lanes").read_text().split() == ["lanes", "4"]
+
+
+@pytest.mark.parametrize("name", FUSED_NAMES)
+def test_fused_ops_match_torch(outputs, name):
+    """The torch expressions, with test_native_kernels' tolerances for the x86 kernels: the
+    residual add's sum exactly, bf16 rotary exactly (every rounding reproduced), the norms and
+    SiLU * up within FUSED_TOL of the largest value; f32 rotary within 1e-6 of it (the x86
+    test's 1e-6 absolute is on randn, |values| < ~5; these rows are 3x randn)."""
+    _, root = outputs
+    case = FUSED_BY_NAME[name]
+    got, ref = _fused_outputs(root, case), _fused_reference(name)
+    assert got.keys() == ref.keys()
+    if "sum" in got:
+        assert not _differing_bits(got["sum"], ref["sum"]).any()
+    dtype = case.x.dtype
+    if case.op == OP_ROTARY:
+        _assert_near(got["y"], ref["y"], 1e-6 if dtype == torch.float32 else 0.0)
+    else:
+        _assert_near(got["y"], ref["y"], FUSED_TOL[dtype])
+
+
+def _vector_columns_differ(case: FusedCase) -> slice:
+    """The columns that NEON's vector loop covers but x86's (8 or 16 lanes) leaves to its scalar
+    tail: SiLU's exp there is exp128's polynomial against libm's expf."""
+    assert all(d // 8 * 8 == d // 16 * 16 for d in FUSED_DIMS)  # AVX2 and AVX-512 split these alike
+    return slice(case.k // 16 * 16, case.k // 4 * 4)
+
+
+@pytest.mark.parametrize("name", FUSED_NAMES)
+def test_fused_ops_match_the_x86_library(outputs, name):
+    """NEON against the x86 library's own output (AVX-512 or AVX2, whichever this machine
+    builds). The same loops, roundings and exp algorithm, so bit for bit, except:
+
+    - float32 norms: the sum of squares is added in NEON's 4 lanes against x86's 8 or 16 (and
+      a different scalar tail), so 1/rms differs in its last bits; measured at most 4 float32
+      ulps in the output against AVX2, and 4 against AVX-512's order too (emulated in numpy,
+      which reproduces both the NEON and the AVX2 outputs bit for bit); asserted at 4.
+    - bf16 norms: the same sum, but the output is rounded to bf16 after, so only a float32
+      value within those few ulps of a bf16 rounding tie can come out one bf16 ulp apart:
+      measured 0 of ~45,000 values per build; asserted <= 1 ulp in under 0.1% of values.
+    - float32 rotary: with -ffp-contract=fast each compiler fuses a*cos - b*sin into one FMA,
+      gcc for x86 with a*cos exact and b*sin rounded, gcc for AArch64 the other way round
+      (b*cos + a*sin: both keep b*cos exact, and agree). Each result is off by one product's
+      rounding and its own, so asserted |diff| <= 2^-22 * (|a cos| + |b sin|)
+      (measured up to 2^-20 on values up to ~12, i.e. one ulp of the products; up to ~1,000
+      ulps of a result that nearly cancels). bf16 rotary rounds each product: bit for bit.
+    - SiLU * up: in the columns NEON's vector loop covers but x86's leaves to its scalar tail
+      (64 .. 67 of 70) exp128 meets libm's expf, measured up to 3 float32 ulps, asserted
+      there; bf16 within 1 ulp there (measured 0). Elsewhere bit for bit (the same exp
+      polynomial in the vector lanes, the same expf in the scalar tails).
+    """
+    x86 = _fused_x86_outputs(name)
+    if x86 is None:
+        pytest.skip("the x86 library does not build here")
+    _, root = outputs
+    case = FUSED_BY_NAME[name]
+    got = _fused_outputs(root, case)
+    assert got.keys() == x86.keys()
+    if "sum" in got:  # one rounded add per value
+        assert not _differing_bits(got["sum"], x86["sum"]).any()
+    y, y86 = got["y"], x86["y"]
+    assert torch.equal(y.isnan(), y86.isnan())
+    f32 = case.x.dtype == torch.float32
+    if case.op in (OP_RMS_NORM, OP_RMS_NORM_F32W):
+        ulps = _ulps(y, y86)
+        if f32:
+            assert ulps.max().item() <= 4, ulps.max().item()
+        else:
+            assert ulps.max().item() <= 1 and (ulps > 0).float().mean().item() < 1e-3
+    elif case.op == OP_ROTARY and f32:
+        x = _with_stride(case.x)
+        heads = case.n * case.k
+        a = x[:, :heads].view(-1, case.n, case.k)
+        swapped = torch.cat((a[..., case.k // 2 :], a[..., : case.k // 2]), dim=-1)
+        products = a.abs() * case.cos[:, None].abs() + swapped.abs() * case.sin[:, None].abs()
+        bound = torch.zeros_like(x)
+        bound[:, :heads] = products.flatten(1) * 2.0**-22
+        assert ((y - y86).abs() <= bound).all()  # the columns past the rotated heads: untouched, exactly
+    elif case.op == OP_SILU_MUL:
+        mixed = _vector_columns_differ(case)
+        ulps = _ulps(y, y86)
+        assert not ulps[:, : mixed.start].any() and not ulps[:, mixed.stop :].any()
+        assert (ulps[:, mixed] <= (3 if f32 else 1)).all()
+    else:  # bf16 rotary
+        assert not _differing_bits(y, y86).any()

@@ -1,9 +1,11 @@
 /* One vector of float32 lanes at the widest width the build has: AVX-512's 16 lanes
- * (vec512.h) or AVX2's 8 (vec256.h). Kernels whose loops are the same at every width
- * (fused_ops.c) are written once against these names; each maps to one intrinsic. */
+ * (vec512.h), AVX2's 8 (vec256.h) or Arm NEON's 4 on AArch64 (vec128.h). Kernels whose loops
+ * are the same at every width (fused_ops.c) are written once against these names; each maps
+ * to one intrinsic or helper. */
 #ifndef FORNAX_VEC_H
 #define FORNAX_VEC_H
 
+#include "vec128.h"
 #include "vec256.h"
 #include "vec512.h"
 
@@ -45,6 +47,25 @@ typedef __m256 vf;
 #define vf_round_bf16 vround8_bf16
 #define vf_store_f32 vstore8_f32
 #define vf_store_bf16 vstore8_bf16
+#elif HAVE_VEC128
+#define HAVE_VEC 1
+#define VF_LANES 4
+typedef float32x4_t vf;
+#define vf_zero() vdupq_n_f32(0.0f)
+#define vf_set1 vdupq_n_f32
+#define vf_add vaddq_f32
+#define vf_sub vsubq_f32
+#define vf_mul vmulq_f32
+#define vf_div vdivq_f32
+#define vf_fmadd(a, b, c) vfmaq_f32((c), (a), (b)) /* a * b + c, one rounding */
+#define vf_reduce_add hsum128
+#define vf_exp exp128
+#define vf_load_f32 vload4_f32
+#define vf_load_bf16 vload4_bf16
+#define vf_round_f32 vround4_f32
+#define vf_round_bf16 vround4_bf16
+#define vf_store_f32 vstore4_f32
+#define vf_store_bf16 vstore4_bf16
 #else
 #define HAVE_VEC 0
 #endif
