@@ -1,13 +1,14 @@
-/* A driver for the integer matmul kernels and the fused elementwise ops with no Python and
- * no torch, so that an AArch64 build of them (the NEON paths: fornax/layers/kernels/
- * quant_matmul_neon.h, int8_matmul_neon.h, and fused_ops.c on vec128.h) can run under
- * qemu-user and be checked against the same references as the x86 kernels
- * (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
+/* A driver for the integer matmul kernels, the fused elementwise ops and paged attention with
+ * no Python and no torch, so that an AArch64 build of them (the NEON paths: fornax/layers/
+ * kernels/quant_matmul_neon.h, int8_matmul_neon.h, fused_ops.c and paged_attention.c on
+ * vec128.h) can run under qemu-user and be checked against the same references as the x86
+ * kernels (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
  *
  * Build: link with the kernels' own sources, e.g.
  *   aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod -fopenmp -std=c11 -ffp-contract=fast -static \
  *       -Ifornax/layers/kernels tests/arm/harness.c fornax/layers/kernels/quant_matmul.c \
- *       fornax/layers/kernels/int8_matmul.c fornax/layers/kernels/fused_ops.c -o harness -lm
+ *       fornax/layers/kernels/int8_matmul.c fornax/layers/kernels/fused_ops.c \
+ *       fornax/layers/kernels/paged_attention.c -o harness -lm
  * Run:   qemu-aarch64-static ./harness CASE_DIR [CASE_DIR ...]
  * It prints one line per case ("ok DIR") and exits 0, or names what failed and exits 1.
  *
@@ -51,6 +52,21 @@
  *     rotation in place, the untouched columns too)
  *   op 10/11 (silu_mul_f32 / _bf16): k = n = inter (ldx >= 2 * inter); x.T [rows, ldx] (gate
  *     then up); output y.T [rows, inter]
+ *
+ * Paged attention (paged_attention.c, DEFINE_PAGED_ATTENTION) takes ops 12 .. 15: 12/13
+ * paged_attention_f32 / _bf16 (pools in the queries' type), 14/15 paged_attention_f32_i8 /
+ * _bf16_i8 (int8 pools with float32 row scales); T: float32 (even op) or bfloat16 (odd), C:
+ * T or int8. k = head_dim, n = num_heads, ldx = the queries' row stride (>= n * k):
+ *   attn.i32     int32[7]: num_kv_heads, block_size, num_slots, num_seqs, max_blocks, window
+ *                  (0: none), part_keys (0: split as suits the call)
+ *   scale.f32    float32[1]: the softmax scale
+ *   q.T          [rows, ldx]: row r's heads [n, k] at its start
+ *   k.C, v.C     [num_slots, num_kv_heads, k] (k.i8 / v.i8 for int8 pools)
+ *   k_scale.f32, v_scale.f32  float32 [num_slots, num_kv_heads], int8 pools only
+ *   block_tables.i32 int32 [num_seqs, max_blocks]; row_seq.i32, row_pos.i32 int32 [rows]
+ *   output y.T   [rows, n, k]
+ * Every index is checked against those sizes before the call (the kernel trusts them).
+ *
  * `harness --lanes` prints "lanes L": vec.h's VF_LANES in this build (1: no vector path).
  */
 #include <stdint.h>
@@ -91,8 +107,29 @@ void rotary_bf16(uint16_t *x, long x_stride, int rows, int num_heads, int head_d
                  const uint16_t *sin, int num_threads);
 void silu_mul_f32(const float *gate_up, long stride, float *out, int rows, int inter, int num_threads);
 void silu_mul_bf16(const uint16_t *gate_up, long stride, uint16_t *out, int rows, int inter, int num_threads);
+/* paged_attention.c (DEFINE_PAGED_ATTENTION): q, q row stride, K pool, V pool, K scales, V scales,
+ * out, block_tables, max_blocks, row_seq, row_pos, rows, heads, kv_heads, head_dim, block_size,
+ * scale, window, num_threads, part_keys */
+#define DECLARE_PAGED_ATTENTION(NAME, T, C)                                                                 \
+    int NAME(const T *q, long q_row_stride, const C *k_cache, const C *v_cache, const float *k_scale,       \
+             const float *v_scale, T *out, const int32_t *block_tables, int max_blocks,                     \
+             const int32_t *row_seq, const int32_t *row_pos, int num_rows, int num_heads, int num_kv_heads, \
+             int head_dim, int block_size, float scale, int window, int num_threads, int part_keys);
+DECLARE_PAGED_ATTENTION(paged_attention_f32, float, float)
+DECLARE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t)
+DECLARE_PAGED_ATTENTION(paged_attention_f32_i8, float, int8_t)
+DECLARE_PAGED_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t)
 
-enum { OP_RMS_NORM = 4, OP_RMS_NORM_F32W = 6, OP_ROTARY = 8, OP_SILU_MUL = 10, OP_FUSED_END = 12 };
+enum {
+    OP_RMS_NORM = 4,
+    OP_RMS_NORM_F32W = 6,
+    OP_ROTARY = 8,
+    OP_SILU_MUL = 10,
+    OP_FUSED_END = 12,
+    OP_ATTENTION = 12,    /* 13: bf16 */
+    OP_ATTENTION_I8 = 14, /* 15: bf16 queries */
+    OP_ATTENTION_END = 16
+};
 
 static const char *case_dir;
 
@@ -238,6 +275,65 @@ static int run_fused(int op, int rows, int k, int n, int ldx, int threads) {
     return bad;
 }
 
+/* Whether every one of `count` values lies in [0, limit). */
+static int in_range(const int32_t *v, long count, long limit) {
+    for (long i = 0; i < count; i++)
+        if (v[i] < 0 || v[i] >= limit) return 0;
+    return 1;
+}
+
+static int run_attention(int op, int rows, int head_dim, int heads, int ldx, int threads) {
+    const int bf16 = op & 1, i8 = (op & ~1) == OP_ATTENTION_I8;
+    int32_t *a = read_input("attn.i32", 7 * sizeof(int32_t), 0);
+    float *scale = read_input("scale.f32", sizeof(float), 0);
+    if (!a || !scale) {
+        free(a), free(scale);
+        return 1;
+    }
+    const int kv_heads = a[0], block_size = a[1], num_slots = a[2], num_seqs = a[3], max_blocks = a[4];
+    const int window = a[5], part_keys = a[6];
+    free(a);
+    if (kv_heads < 1 || heads % kv_heads || block_size < 1 || num_slots < block_size || num_seqs < 1 ||
+        max_blocks < 1 || window < 0 || part_keys < 0 || (long)heads * head_dim > ldx) {
+        free(scale);
+        return fail("bad attention params");
+    }
+    const size_t pool = (size_t)num_slots * kv_heads * head_dim, es = bf16 ? sizeof(uint16_t) : sizeof(float);
+    void *q = read_typed("q", bf16, (size_t)rows * ldx, 0);
+    void *k = i8 ? read_input("k.i8", pool, 0) : read_typed("k", bf16, pool, 0);
+    void *v = i8 ? read_input("v.i8", pool, 0) : read_typed("v", bf16, pool, 0);
+    float *ks = i8 ? read_input("k_scale.f32", sizeof(float) * num_slots * kv_heads, 0) : NULL;
+    float *vs = i8 ? read_input("v_scale.f32", sizeof(float) * num_slots * kv_heads, 0) : NULL;
+    int32_t *tables = read_input("block_tables.i32", sizeof(int32_t) * num_seqs * max_blocks, 0);
+    int32_t *row_seq = read_input("row_seq.i32", sizeof(int32_t) * rows, 0);
+    int32_t *row_pos = read_input("row_pos.i32", sizeof(int32_t) * rows, 0);
+    void *y = calloc((size_t)rows * heads * head_dim, es);
+    int bad = !q || !k || !v || (i8 && (!ks || !vs)) || !tables || !row_seq || !row_pos || !y;
+    if (!bad && (!in_range(tables, (long)num_seqs * max_blocks, num_slots / block_size) ||
+                 !in_range(row_seq, rows, num_seqs) || !in_range(row_pos, rows, (long)max_blocks * block_size)))
+        bad = fail("an attention index is out of range");
+    if (!bad) {
+        const float sc = *scale;
+        int status;
+        if (i8 && bf16)
+            status = paged_attention_bf16_i8(q, ldx, k, v, ks, vs, y, tables, max_blocks, row_seq, row_pos, rows,
+                                             heads, kv_heads, head_dim, block_size, sc, window, threads, part_keys);
+        else if (i8)
+            status = paged_attention_f32_i8(q, ldx, k, v, ks, vs, y, tables, max_blocks, row_seq, row_pos, rows,
+                                            heads, kv_heads, head_dim, block_size, sc, window, threads, part_keys);
+        else if (bf16)
+            status = paged_attention_bf16(q, ldx, k, v, NULL, NULL, y, tables, max_blocks, row_seq, row_pos, rows,
+                                          heads, kv_heads, head_dim, block_size, sc, window, threads, part_keys);
+        else
+            status = paged_attention_f32(q, ldx, k, v, NULL, NULL, y, tables, max_blocks, row_seq, row_pos, rows,
+                                         heads, kv_heads, head_dim, block_size, sc, window, threads, part_keys);
+        bad = status ? fail("paged attention returned a nonzero status")
+                     : write_typed("y", bf16, y, (size_t)rows * heads * head_dim);
+    }
+    free(scale), free(q), free(k), free(v), free(ks), free(vs), free(tables), free(row_seq), free(row_pos), free(y);
+    return bad;
+}
+
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "--lanes") == 0) {
 #if HAVE_VEC
@@ -266,6 +362,7 @@ int main(int argc, char **argv) {
         else if (op == 1 || op == 2) bad = run_quant(op == 1, rows, k, n, ldx, threads);
         else if (op == 3) bad = run_int8(rows, k, n, ldx, threads);
         else if (op >= OP_RMS_NORM && op < OP_FUSED_END) bad = run_fused(op, rows, k, n, ldx, threads);
+        else if (op >= OP_ATTENTION && op < OP_ATTENTION_END) bad = run_attention(op, rows, k, n, ldx, threads);
         else bad = fail("unknown op");
         if (!bad) printf("ok %s\n", case_dir);
         failed |= bad;

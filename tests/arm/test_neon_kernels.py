@@ -1,6 +1,7 @@
-"""The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h)
-and fused elementwise ops (kernels/fused_ops.c on vec128.h), cross-compiled for AArch64 and
-run under qemu-user, against the definitions the x86 tests use.
+"""The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h),
+fused elementwise ops (kernels/fused_ops.c on vec128.h) and paged attention
+(kernels/paged_attention.c on vec128.h), cross-compiled for AArch64 and run under qemu-user,
+against the definitions the x86 tests use.
 
 tests/arm/harness.c drives the kernels with no Python (its header gives the file format); it
 is built three times, statically: with the Armv8.2 dot product (sdot), with the int8 matrix
@@ -24,6 +25,13 @@ tests/model/test_quant_matmul.py and tests/model/test_int8_rotated.py check the 
   (test_fused_ops_match_the_x86_library says where and by how much). Rows 1, 3, 17 (the
   OpenMP loop), dims 64, 576 and 70 (a scalar tail), strided rows, bf16 rounding ties in the
   residual add, infinities and NaN, and SiLU's gates at exp's clamp and overflow.
+- paged attention (float32 and bf16 queries, pools in their type and int8 with row scales):
+  against the torch path tests/model/test_native_kernels.py holds the x86 kernel to, with its
+  tolerances, and against the x86 kernel's own output on the same inputs within a few float32
+  ulps of the largest value (test_paged_attention_matches_the_x86_library says why). Contexts
+  of 1, 17, 98-100 and 300 keys in shuffled blocks, GQA groups of 3, no window and a window
+  of 32, part_keys 0 (the split by rows, KV heads or keys) and 128 (deterministic mode), 1
+  and 2 threads, strided query rows.
 
 Tile edges: activation rows 1, 2, 3, 5, 17 (the 2-row tiles of Q4/Q8, the 4- and 2-row
 register blocks of int8), output widths not a multiple of 4 or of 64, K = 64 .. 1536.
@@ -44,12 +52,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fornax.layers.attention import build_attention_metadata
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.linear import BlockInt4, BlockInt8, Int8Rotated, hadamard_blocks
-from fornax.layers.native import FusedOps, load_fused_ops, load_int8_matmul
+from fornax.layers.native import FusedOps, load_fused_ops, load_int8_matmul, load_paged_attention
 from fornax.layers.ops import TorchOps
 from fornax.layers.rotary import RotaryEmbedding
+from tests.model.test_native_kernels import BLOCK, DIM, KV_HEADS, _attend, _pool, _step, _strided_rows
+from tests.model.test_native_kernels import HEADS as ATTN_HEADS
 from tests.model.test_native_kernels import TOL as FUSED_TOL
-from tests.model.test_native_kernels import _strided_rows
 from tests.model.test_quant_matmul import _reference as quant_definition
 
 CC = shutil.which("aarch64-linux-gnu-gcc")
@@ -275,10 +286,113 @@ FUSED_NAMES = list(FUSED_BY_NAME)
 assert len(FUSED_NAMES) == len(FUSED_CASES)
 
 
+# ---- paged attention (paged_attention.c on vec128.h) ----
+
+OP_ATTENTION, OP_ATTENTION_I8 = 12, 14  # model-dtype / int8 pools; the harness adds 1 for bf16 queries
+# (start, new tokens) per sequence, as tests/model/test_native_kernels.py's _step takes them.
+ATTN_SHAPES = {
+    # rows attending to 1, 17, 98 .. 100 and 300 keys: whole rows per work item at 2 threads
+    "mixed": ([(0, 1), (16, 1), (97, 3), (299, 1)], 20),
+    "long": ([(299, 1)], 21),  # a lone row: split by keys into parts (part_keys 0)
+    "short": ([(16, 1)], 22),  # a lone short row: split by KV head (part_keys 0)
+}
+QKV_WIDTH = (ATTN_HEADS + 2 * KV_HEADS) * DIM  # the queries' row stride: a view into a fused QKV output
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    name: str
+    shape: str  # ATTN_SHAPES key
+    dtype: torch.dtype  # queries, output and (unless int8) the pools
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
+    window: int | None
+    part_keys: int
+    threads: int
+
+
+def _attn_cases() -> list[AttnCase]:
+    cases = []
+    for dtype, t in EXT.items():
+        for kv in ("auto", "int8"):
+            for window in (None, 32):
+                for part_keys in (0, 128):
+                    for threads in (1, 2):
+                        name = f"attn-mixed-{t}-{kv}-w{window or 0}-p{part_keys}-t{threads}"
+                        cases.append(AttnCase(name, "mixed", dtype, kv, window, part_keys, threads))
+            for shape in ("long", "short"):
+                cases.append(AttnCase(f"attn-{shape}-{t}-{kv}", shape, dtype, kv, None, 0, 2))
+    return cases
+
+
+ATTN_CASES = _attn_cases()
+ATTN_BY_NAME = {c.name: c for c in ATTN_CASES}
+ATTN_NAMES = list(ATTN_BY_NAME)
+
+
+@dataclass
+class AttnInputs:
+    step: tuple  # _step's (spans, q, k, v, cache_k, cache_v)
+    qkv: torch.Tensor  # [rows, QKV_WIDTH]: the queries at the start of each row
+    q: torch.Tensor  # [rows, heads, head_dim], a view into qkv
+    pool: LayerKV  # the cache with the step's new rows written, as paged_attention writes them
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    row_seq: torch.Tensor  # [rows] int32
+    row_pos: torch.Tensor  # [rows] int32
+
+
+@functools.cache
+def _attn_inputs(shape: str, dtype: torch.dtype, kv_cache_dtype: str) -> AttnInputs:
+    """One step's queries and cache, and the kernel's indices for its rows (every row a kernel row)."""
+    shapes, seed = ATTN_SHAPES[shape]
+    step = spans, q, k, v, cache_k, cache_v = _step(seed, dtype, shapes)
+    rows = q.shape[0]
+    wide = q.new_zeros(rows, QKV_WIDTH)
+    wide[:, : ATTN_HEADS * DIM] = q.reshape(rows, -1)
+    q_view = wide[:, : ATTN_HEADS * DIM].view(rows, ATTN_HEADS, DIM)
+    pool = _pool(cache_k, cache_v, kv_cache_dtype)
+    pool.write(build_attention_metadata(spans, BLOCK).slot_mapping, k, v)
+    tables = torch.zeros(len(spans), max(len(s.block_ids) for s in spans), dtype=torch.int32)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+    row_seq = torch.cat([torch.full((s.num_new,), i, dtype=torch.int32) for i, s in enumerate(spans)])
+    row_pos = torch.cat([torch.arange(s.start, s.start + s.num_new, dtype=torch.int32) for s in spans])
+    return AttnInputs(step, wide, q_view, pool, tables, row_seq, row_pos)
+
+
+def _attn_scale() -> float:
+    return DIM**-0.5  # as _attend scales
+
+
+def _write_attn_case(case: AttnCase, directory: Path) -> None:
+    directory.mkdir(parents=True)
+    inp = _attn_inputs(case.shape, case.dtype, case.kv_cache_dtype)
+    bf16, i8 = case.dtype == torch.bfloat16, case.kv_cache_dtype == "int8"
+    rows, pool, ext = inp.q.shape[0], inp.pool, EXT[case.dtype]
+    op = (OP_ATTENTION_I8 if i8 else OP_ATTENTION) + bf16
+    num_seqs, max_blocks = inp.block_tables.shape
+    attn = [KV_HEADS, BLOCK, pool.k.shape[0], num_seqs, max_blocks, case.window or 0, case.part_keys]
+    files = {
+        "params": torch.tensor([op, rows, DIM, ATTN_HEADS, QKV_WIDTH, case.threads], dtype=torch.int32),
+        "attn.i32": torch.tensor(attn, dtype=torch.int32),
+        "scale.f32": torch.tensor([_attn_scale()]),
+        f"q.{ext}": inp.qkv,
+        "block_tables.i32": inp.block_tables,
+        "row_seq.i32": inp.row_seq,
+        "row_pos.i32": inp.row_pos,
+    }
+    pool_ext = "i8" if i8 else ext
+    files[f"k.{pool_ext}"], files[f"v.{pool_ext}"] = pool.k, pool.v
+    if i8:
+        files["k_scale.f32"], files["v_scale.f32"] = pool.k_scale, pool.v_scale
+    for name, t in files.items():
+        (directory / name).write_bytes(_bits(t))
+
+
 def _build(march: str, out: Path) -> Path:
     """The harness with the kernels, statically linked; kernel sources compiled warning-free."""
     objects = []
-    for src in (HARNESS, KERNELS / "quant_matmul.c", KERNELS / "int8_matmul.c", KERNELS / "fused_ops.c"):
+    sources = ["quant_matmul.c", "int8_matmul.c", "fused_ops.c", "paged_attention.c"]
+    for src in (HARNESS, *(KERNELS / name for name in sources)):
         obj = out / f"{src.stem}.o"
         cmd = [CC, "-O3", f"-march={march}", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wall"]
         cmd += ["-Werror", f"-I{KERNELS}", "-c", str(src), "-o", str(obj)]
@@ -308,6 +422,10 @@ def outputs(request, tmp_path_factory) -> tuple[str, Path]:
     for case in FUSED_CASES:  # 2 threads: the 17-row cases take the parallel loop
         directory = root / case.name
         _write_fused_case(case, directory, threads=2)
+        dirs.append(str(directory))
+    for case in ATTN_CASES:
+        directory = root / case.name
+        _write_attn_case(case, directory)
         dirs.append(str(directory))
     run = subprocess.run([QEMU, str(exe), *dirs], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -593,3 +711,85 @@ def test_fused_ops_match_the_x86_library(outputs, name):
         assert (ulps[:, mixed] <= (3 if f32 else 1)).all()
     else:  # bf16 rotary
         assert not _differing_bits(y, y86).any()
+
+
+# ---- paged attention: against the torch path and the x86 kernel ----
+
+
+def _attn_output(root: Path, case: AttnCase) -> torch.Tensor:
+    rows = _attn_inputs(case.shape, case.dtype, case.kv_cache_dtype).q.shape[0]
+    return _read(root / case.name / f"y.{EXT[case.dtype]}", case.dtype, (rows, ATTN_HEADS, DIM))
+
+
+@functools.cache
+def _attn_reference(shape: str, dtype: torch.dtype, kv_cache_dtype: str, window: int | None) -> torch.Tensor:
+    """The torch path (no kernel) over the same step: what test_native_kernels holds the x86 kernel to."""
+    spans, q, k, v, cache_k, cache_v = _attn_inputs(shape, dtype, kv_cache_dtype).step
+    return _attend(spans, q, k, v, cache_k, cache_v, None, window, kv_cache_dtype)[0]
+
+
+# test_kernel_matches_torch_path_on_a_mixed_step's bounds on the largest difference, both pool kinds
+ATTN_TORCH_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("name", ATTN_NAMES)
+def test_paged_attention_matches_torch(outputs, name):
+    """NEON attention against the torch path (masked softmax over gathered K/V, int8 rows
+    dequantized) within the tolerances the x86 kernel is held to there."""
+    _, root = outputs
+    case = ATTN_BY_NAME[name]
+    got = _attn_output(root, case).float()
+    ref = _attn_reference(case.shape, case.dtype, case.kv_cache_dtype, case.window)
+    assert got.isfinite().all()
+    err = (got - ref).abs().max().item()
+    assert err < ATTN_TORCH_TOL[case.dtype], err
+
+
+@functools.cache
+def _attn_x86(name: str) -> torch.Tensor | None:
+    """The same call through the x86 library (AVX-512 or AVX2 here) with the case's thread count
+    (part_keys 0 splits the work by it), or None where the library does not build."""
+    kernel = load_paged_attention()
+    if kernel is None:
+        return None
+    case = ATTN_BY_NAME[name]
+    inp = _attn_inputs(case.shape, case.dtype, case.kv_cache_dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(case.threads)
+    try:
+        return kernel(
+            inp.q, inp.pool, inp.block_tables, inp.row_seq, inp.row_pos, BLOCK, _attn_scale(), case.window,
+            case.part_keys,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ATTN_NAMES)
+def test_paged_attention_matches_the_x86_library(outputs, name):
+    """NEON against the x86 kernel on the same inputs, split into the same work items (the
+    same thread count). Not bit for bit: the score dot products add their products in other
+    lane orders (4 accumulators of 4 lanes against AVX2's 2 of 8, AVX-512's 2 of 16 or its
+    bf16 dot products), the softmax sums likewise, and NEON's exp128 covers keys that x86
+    leaves to libm's expf in its longer scalar tail (the last n % 8 keys on AVX2 against
+    n % 4); the value pass is the same FMA chain per element on both.
+
+    - float32: measured against AVX2 at most 1.95e-7 of the largest |value| (1-2 ulps
+      there; ~80% of values differ in their last bits, more ulps only where a value is near
+      zero), the same in every build; asserted within 1e-6 of it, room for AVX-512's orders.
+    - bf16: the output is rounded after, so only a float32 result that close to a rounding
+      boundary can come out one bf16 ulp apart: measured 0 differing values against AVX2;
+      asserted <= 1 ulp in under 1% of values.
+    """
+    x86 = _attn_x86(name)
+    if x86 is None:
+        pytest.skip("the x86 library does not build here")
+    _, root = outputs
+    case = ATTN_BY_NAME[name]
+    got = _attn_output(root, case)
+    scale = x86.float().abs().max().item()
+    err = (got.float() - x86.float()).abs().max().item()
+    if case.dtype == torch.float32:
+        assert err <= 1e-6 * scale, err / scale
+    else:
+        assert _ulps(got, x86).max().item() <= 1 and (got != x86).float().mean().item() < 0.01

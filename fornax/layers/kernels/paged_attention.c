@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec128.h"
 #include "vec256.h"
 #include "vec512.h"
 
@@ -49,7 +50,8 @@ static inline void prefetch_bytes(const void *p, long bytes) {
 
 /* The three inner loops, over one head's head_dim values. With AVX-512 (and head_dim a
  * multiple of 16, true of every supported model) they are written out with intrinsics:
- * left to the auto-vectorizer inside the macro bodies below they ran ~5x slower. */
+ * left to the auto-vectorizer inside the macro bodies below they ran ~5x slower. AVX2 and
+ * Arm NEON (AArch64, vec128.h) have the same loops at 8 and 4 lanes. */
 #if defined(__AVX512F__)
 #define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
     static inline void NAME(float *dst, const T *src, int n) {                                   \
@@ -68,6 +70,15 @@ static inline void prefetch_bytes(const void *p, long bytes) {
         }                                                                                        \
         for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
     }
+#elif HAVE_VEC128 /* 4 values at a time (vec128.h) */
+#define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
+    static inline void NAME(float *dst, const T *src, int n) {                                   \
+        if (n % 4 == 0) {                                                                        \
+            for (int d = 0; d < n; d += 4) vst1q_f32(dst + d, LOAD16(src + d));                  \
+            return;                                                                              \
+        }                                                                                        \
+        for (int d = 0; d < n; d++) dst[d] = LOAD(src, d);                                       \
+    }
 #else
 #define DEFINE_ROW_TO_F32(NAME, T, LOAD16, LOAD)                                                 \
     static inline void NAME(float *dst, const T *src, int n) {                                   \
@@ -80,6 +91,9 @@ static inline void prefetch_bytes(const void *p, long bytes) {
 #elif HAVE_VEC256
 #define VLOAD_BF16 vload8_bf16
 #define VLOAD_F32 vload8_f32
+#elif HAVE_VEC128
+#define VLOAD_BF16 vload4_bf16
+#define VLOAD_F32 vload4_f32
 #endif
 DEFINE_ROW_TO_F32(row_to_f32_bf16, uint16_t, VLOAD_BF16, LOAD_BF16)
 
@@ -103,6 +117,19 @@ static inline float dot_f32(const float *a, const float *b, int n) {
             s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
         }
         return hsum256(_mm256_add_ps(s0, s1));
+    }
+#elif HAVE_VEC128
+    /* AVX2's 16 values a step, in four accumulators: with 4-cycle FMAs two chains would leave
+     * the FMA pipes of an Arm core idle half the time */
+    if (n % 16 == 0) {
+        float32x4_t s0 = vdupq_n_f32(0.f), s1 = s0, s2 = s0, s3 = s0;
+        for (int d = 0; d < n; d += 16) {
+            s0 = vfmaq_f32(s0, vld1q_f32(a + d), vld1q_f32(b + d));
+            s1 = vfmaq_f32(s1, vld1q_f32(a + d + 4), vld1q_f32(b + d + 4));
+            s2 = vfmaq_f32(s2, vld1q_f32(a + d + 8), vld1q_f32(b + d + 8));
+            s3 = vfmaq_f32(s3, vld1q_f32(a + d + 12), vld1q_f32(b + d + 12));
+        }
+        return hsum128(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
     }
 #endif
     float s = 0.f;
@@ -142,6 +169,19 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
         tv = _mm256_add_ps(tv, e);
     }
     total = hsum256(tv);
+#elif HAVE_VEC128
+    float32x4_t mv = vdupq_n_f32(-INFINITY);
+    for (; j + 4 <= n; j += 4) mv = vmaxq_f32(mv, vld1q_f32(s + j));
+    mx = vmaxvq_f32(mv);
+    for (int i = j; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    const float32x4_t mxv = vdupq_n_f32(mx);
+    float32x4_t tv = vdupq_n_f32(0.f);
+    for (j = 0; j + 4 <= n; j += 4) {
+        const float32x4_t e = exp128(vsubq_f32(vld1q_f32(s + j), mxv));
+        vst1q_f32(s + j, e);
+        tv = vaddq_f32(tv, e);
+    }
+    total = hsum128(tv);
 #else
     for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     j = 0;
@@ -194,6 +234,32 @@ static inline float exp_shifted_sum(float *s, int n, float *mx_out) {
         for (int t = 0; t < count; t++)                                                          \
             for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
     }
+#elif HAVE_VEC128 /* AVX2's 16 values per pass over the keys, as 4 accumulators (dot_f32's reason) */
+#define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
+    static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
+                            int head_dim) {                                                      \
+        if (head_dim % 16 == 0) {                                                                \
+            for (int c = 0; c < head_dim; c += 16) {                                             \
+                float32x4_t a0 = vld1q_f32(acc + c), a1 = vld1q_f32(acc + c + 4);                \
+                float32x4_t a2 = vld1q_f32(acc + c + 8), a3 = vld1q_f32(acc + c + 12);           \
+                for (int t = 0; t < count; t++) {                                                \
+                    const float32x4_t wt = vdupq_n_f32(w[t]);                                    \
+                    const T *vt = v + t * stride + c;                                            \
+                    a0 = vfmaq_f32(a0, wt, LOAD16(vt));                                          \
+                    a1 = vfmaq_f32(a1, wt, LOAD16(vt + 4));                                      \
+                    a2 = vfmaq_f32(a2, wt, LOAD16(vt + 8));                                      \
+                    a3 = vfmaq_f32(a3, wt, LOAD16(vt + 12));                                     \
+                }                                                                                \
+                vst1q_f32(acc + c, a0);                                                          \
+                vst1q_f32(acc + c + 4, a1);                                                      \
+                vst1q_f32(acc + c + 8, a2);                                                      \
+                vst1q_f32(acc + c + 12, a3);                                                     \
+            }                                                                                    \
+            return;                                                                              \
+        }                                                                                        \
+        for (int t = 0; t < count; t++)                                                          \
+            for (int d = 0; d < head_dim; d++) acc[d] += w[t] * LOAD(v + t * stride, d);         \
+    }
 #else
 #define DEFINE_PV_TILE(NAME, T, LOAD16, LOAD)                                                    \
     static inline void NAME(float *acc, const float *w, const T *v, long stride, int count,      \
@@ -212,6 +278,14 @@ static inline __m256 vload8_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #define VLOAD_I8 vload8_i8
+#elif HAVE_VEC128
+/* 4 int8 values: one 32-bit load (no read past them), widened to int16, int32, float32 */
+static inline float32x4_t vload4_i8(const int8_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(bits))))));
+}
+#define VLOAD_I8 vload4_i8
 #endif
 #define LOAD_I8(p, i) ((float)(p)[i])
 DEFINE_PV_TILE(pv_tile_bf16, uint16_t, VLOAD_BF16, LOAD_BF16)
@@ -302,6 +376,49 @@ DEFINE_PV_TILE(pv_tile_i8, int8_t, VLOAD_I8, LOAD_I8)
         case 4: NAME##_g(4, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
         case 5: NAME##_g(5, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
         case 6: NAME##_g(6, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        default: return 0;                                                                       \
+        }                                                                                        \
+    }
+#elif HAVE_VEC128
+/* 8 values of each head at a time: 16 accumulators + 2 values + 1 weight of NEON's 32
+ * registers, so groups of 7 and 8 (common GQA ratios) stay on this path too */
+#define MAX_PV_GROUP 8
+#define DEFINE_PV_GROUP(NAME, T, LOAD16)                                                         \
+    static inline __attribute__((always_inline)) void NAME##_g(                                 \
+        const int G, float *acc, const float *w, long w_stride, const T *v, long stride,         \
+        int count, int head_dim) {                                                               \
+        for (int c = 0; c < head_dim; c += 8) {                                                  \
+            float32x4_t a0[MAX_PV_GROUP], a1[MAX_PV_GROUP];                                      \
+            for (int g = 0; g < G; g++) {                                                        \
+                a0[g] = vld1q_f32(acc + (long)g * head_dim + c);                                 \
+                a1[g] = vld1q_f32(acc + (long)g * head_dim + c + 4);                             \
+            }                                                                                    \
+            for (int t = 0; t < count; t++) {                                                    \
+                const float32x4_t v0 = LOAD16(v + t * stride + c), v1 = LOAD16(v + t * stride + c + 4); \
+                for (int g = 0; g < G; g++) {                                                    \
+                    const float32x4_t wt = vdupq_n_f32(w[g * w_stride + t]);                     \
+                    a0[g] = vfmaq_f32(a0[g], wt, v0);                                            \
+                    a1[g] = vfmaq_f32(a1[g], wt, v1);                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int g = 0; g < G; g++) {                                                        \
+                vst1q_f32(acc + (long)g * head_dim + c, a0[g]);                                  \
+                vst1q_f32(acc + (long)g * head_dim + c + 4, a1[g]);                              \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    static inline int NAME(int group, float *acc, const float *w, long w_stride, const T *v,     \
+                           long stride, int count, int head_dim) {                              \
+        if (head_dim % 8) return 0;                                                              \
+        switch (group) {                                                                         \
+        case 1: NAME##_g(1, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 2: NAME##_g(2, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 3: NAME##_g(3, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 4: NAME##_g(4, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 5: NAME##_g(5, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 6: NAME##_g(6, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 7: NAME##_g(7, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
+        case 8: NAME##_g(8, acc, w, w_stride, v, stride, count, head_dim); return 1;             \
         default: return 0;                                                                       \
         }                                                                                        \
     }
