@@ -21,18 +21,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Process:
-    """A `python -m fornax.cli ...` child on a free loopback port, its output in a log file."""
+class ServerProcess:
+    """Any HTTP server child (`cmd`, already given its loopback `port`), its output in a log file."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}-{self.port}.log"
-        cmd = [sys.executable, "-m", "fornax.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    def __init__(
+        self, name: str, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name, self.port, self.log_path = name, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, ready: Any, timeout_s: float = READY_TIMEOUT_S) -> None:
+    def wait_ready(
+        self, ready: Any = lambda r: r.status_code == 200, timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
         """Until `ready(httpx response of GET /health)` holds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -57,3 +59,12 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class Process(ServerProcess):
+    """A `python -m fornax.cli ...` child on a free loopback port."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "fornax.cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+        super().__init__(name, cmd, port, log_dir / f"{name}-{port}.log")

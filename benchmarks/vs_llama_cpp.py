@@ -41,8 +41,6 @@ import json
 import os
 import platform
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +48,8 @@ import tarfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _servers import ServerProcess, free_port  # benchmarks/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -292,50 +292,7 @@ def measure_roof(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
 # ---- servers ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """One server process on a free loopback port, its output in a log file."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
-        self.name, self.port, self.log_path = name, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:g} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path, tag: str) -> Server:
+def start_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path, tag: str) -> ServerProcess:
     port = free_port()
     env = dict(os.environ)
     if name == "fornax":
@@ -349,9 +306,9 @@ def start_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path,
         threads = ["-t", str(args.threads), "-tb", str(args.threads)]
         cmd = [llama_server, "-m", str(gguf), "-np", "32", "-c", "16384", *threads,
                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    server = Server(name, cmd, port, log_dir / f"{name}-{tag}.log", env)
+    server = ServerProcess(name, cmd, port, log_dir / f"{name}-{tag}.log", env)
     try:
-        server.wait_ready(args.ready_timeout)
+        server.wait_ready(timeout_s=args.ready_timeout)
     except BaseException:
         server.stop()
         raise
