@@ -30,6 +30,9 @@ programs other than itself and its servers came to more than 0.15 cores during i
     .venv/bin/python benchmarks/vs_llama_cpp.py --build-only                  # build llama.cpp once
     .venv/bin/python benchmarks/vs_llama_cpp.py --streams 1,8,32 --rounds 3 --json vs.json
     .venv/bin/python benchmarks/vs_llama_cpp.py --model 1b --streams 1,8 --roof
+
+The sdist's converter imports sentencepiece for Llama models: `--model 1b` needs
+`.venv/bin/pip install sentencepiece` once (not a dependency of fornax).
 """
 
 from __future__ import annotations
