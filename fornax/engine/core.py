@@ -76,7 +76,6 @@ class EngineCore:
         self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
-        self.kernels = ""  # the one line of layers/kernel_plan.py, once the runner is built
         self.runner = ModelRunner(
             loaded.model,
             loaded.local_config or loaded.config,
@@ -88,7 +87,7 @@ class EngineCore:
             deterministic=config.deterministic,
             tensor_parallel=tensor_parallel,
         )
-        self.kernels = self.runner.kernels
+        self.kernels = self.runner.kernels  # what runs here, in one line (layers/kernel_plan.py)
         logger.info("%s", self.kernels)
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them

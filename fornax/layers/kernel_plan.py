@@ -27,6 +27,9 @@ from fornax.layers.linear import (
     Int8Rotated,
     Linear,
 )
+from fornax.layers.native import library_level
+
+logger = logging.getLogger("fornax.kernels")
 
 # A form's name in the line; torch's kernels are named as such, so a slow path is visible.
 FORM_NAMES: dict[type, str] = {
@@ -73,16 +76,13 @@ def describe(linears: Iterable[Linear], attention: str) -> str:
 
 
 def isa_summary() -> str:
-    """The level the library is built for (layers/isa.py), or "none" where it is not built."""
-    from fornax.layers.native import library_loaded
-
-    if not library_loaded():
+    """The level the loaded library was built for (layers/isa.py), or "none" where none loaded."""
+    choice = library_level()
+    if choice is None:
         return "none (torch ops)"
-    choice = isa.current()
     return choice.level.summary if choice.level is not None else "scalar"
 
 
-logger = logging.getLogger("fornax.kernels")
 # CPU flags under which torch computes bf16 matmuls natively (oneDNN's AVX-512 BF16 / AMX paths).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -97,9 +97,7 @@ def choose_dtype(kernels_loaded: bool, flags: frozenset[str]) -> str:
 
 def resolve_dtype(kernel_backend: str) -> str:
     """choose_dtype for this process, saying once why where it picks float32."""
-    from fornax.layers.native import library_loaded
-
-    loaded = kernel_backend == "native" and library_loaded()
+    loaded = kernel_backend == "native" and library_level() is not None
     dtype = choose_dtype(loaded, isa.cpu_flags())
     if dtype == "float32":
         why = "kernel_backend torch" if kernel_backend != "native" else "no native kernels"

@@ -71,9 +71,9 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def compile_flags() -> list[str]:
-    """The compiler's flags for this process's level (FORNAX_ISA against the CPU)."""
-    return [BASE_FLAGS[0], *isa.current().compile_flags, *BASE_FLAGS[1:]]
+def compile_flags(choice: isa.Choice) -> list[str]:
+    """The compiler's flags for a level (isa.current(): FORNAX_ISA against the CPU)."""
+    return [BASE_FLAGS[0], *choice.compile_flags, *BASE_FLAGS[1:]]
 
 
 def _source_digest(flags: list[str]) -> str:
@@ -161,21 +161,21 @@ def _unwritable(out_dir: Path, exc: OSError) -> KernelsUnavailable:
     return KernelsUnavailable(f"cannot write to {out_dir} ({exc.strerror or exc}): {hint}")
 
 
-def library_path(digest: str) -> Path:
-    """Where the library of these sources (digest: _source_digest) for this process's level lives."""
-    return _cache_dir() / f"fornax_kernels-{isa.current().name}-{digest[:16]}.so"
+def library_path(digest: str, choice: isa.Choice) -> Path:
+    """Where the library of these sources (digest: _source_digest) for a level lives."""
+    return _cache_dir() / f"fornax_kernels-{choice.name}-{digest[:16]}.so"
 
 
-def _build() -> Path:
-    """The library for the current sources, flags and CPU: the cached one if its record
-    vouches for it (no compiler needed then), else a fresh build. Raises KernelsUnavailable
-    saying why there is none."""
-    flags = compile_flags()  # a FORNAX_ISA the CPU cannot run raises ConfigError: not a fallback
+def _build(choice: isa.Choice) -> Path:
+    """The library for the current sources, the level's flags and the CPU: the cached one if its
+    record vouches for it (no compiler needed then), else a fresh build. Raises
+    KernelsUnavailable saying why there is none."""
+    flags = compile_flags(choice)
     try:
         digest = _source_digest(flags)
     except OSError as exc:  # an installation missing or hiding its kernels/ directory
         raise KernelsUnavailable(f"cannot read the kernel sources ({exc})") from exc
-    target = library_path(digest)
+    target = library_path(digest, choice)
     out_dir = target.parent
     if _cached(target, digest):
         return target
@@ -771,12 +771,20 @@ def _library() -> ctypes.CDLL | None:
         return _library_once()
 
 
+# The level the loaded library was built for (set once, by _library_once).
+_LOADED_LEVEL: isa.Choice | None = None
+
+
 @functools.cache
 def _library_once() -> ctypes.CDLL | None:
+    global _LOADED_LEVEL
+    choice = isa.current()  # a FORNAX_ISA the CPU cannot run raises ConfigError: not a fallback
     try:
-        path = _build()
+        path = _build(choice)
         try:
-            return ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path))
+            _LOADED_LEVEL = choice
+            return lib
         except OSError as exc:  # e.g. a runtime library (libgomp) missing at load time
             raise KernelsUnavailable(f"cannot load {path.name}: {_one_line(str(exc))}") from exc
     except KernelsUnavailable as exc:
@@ -784,9 +792,10 @@ def _library_once() -> ctypes.CDLL | None:
         return None
 
 
-def library_loaded() -> bool:
-    """Whether the kernels library is built and loaded in this process (building it if needed)."""
-    return _library() is not None
+def library_level() -> isa.Choice | None:
+    """The level of the kernels library this process loaded (building it if needed); None where
+    there is none (no compiler, no writable cache: torch ops)."""
+    return _LOADED_LEVEL if _library() is not None else None
 
 
 @functools.cache

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from fornax.config import debug_checks_enabled
-from fornax.layers import native
+from fornax.layers import isa, native
 
 REPO = Path(__file__).resolve().parents[2]
 KERNELS_IN_WHEEL = "fornax/layers/kernels/"
@@ -223,8 +223,9 @@ def test_cached_library_is_loaded_only_when_its_record_matches(stand_in_compiler
     count = stand_in_compiler
     scratch = tmp_path / "loaded"
     scratch.mkdir()
-    digest = native._source_digest(native.compile_flags())
-    target = native.library_path(digest)
+    choice = isa.current()
+    digest = native._source_digest(native.compile_flags(choice))
+    target = native.library_path(digest, choice)
     record = native._record_path(target)
     target.parent.mkdir(parents=True)
 
@@ -232,20 +233,20 @@ def test_cached_library_is_loaded_only_when_its_record_matches(stand_in_compiler
     # rebuilt, not loaded. The garbage itself would not load.
     target.write_bytes(b"not a shared object")
     assert not _loads(target, scratch)
-    assert native._build() == target and _builds(count) == 1 and _loads(target, scratch)
+    assert native._build(choice) == target and _builds(count) == 1 and _loads(target, scratch)
     assert record.read_text().startswith(f"sources {digest}\n")
 
     # The record vouches for the file: loaded as it is, no build.
-    assert native._build() == target and _builds(count) == 1
+    assert native._build(choice) == target and _builds(count) == 1
 
     # The library's bytes changed after its build (corrupted, replaced): rebuilt.
     target.write_bytes(b"garbage at the right name, beside a valid record")
-    assert native._build() == target and _builds(count) == 2 and _loads(target, scratch)
+    assert native._build(choice) == target and _builds(count) == 2 and _loads(target, scratch)
 
     # A record written for other sources (a full-digest mismatch behind a 16-digit name clash): rebuilt.
     record.write_text(record.read_text().replace(digest, "0" * len(digest)))
-    assert native._build() == target and _builds(count) == 3 and _loads(target, scratch)
-    assert native._build() == target and _builds(count) == 3
+    assert native._build(choice) == target and _builds(count) == 3 and _loads(target, scratch)
+    assert native._build(choice) == target and _builds(count) == 3
 
 
 # --- index range checks ----------------------------------------------------------------------

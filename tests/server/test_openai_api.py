@@ -195,6 +195,8 @@ def test_cached_tokens_on_repeated_prefix(client):
 def test_models_version_and_usage_by_key_name(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    # what runs on this CPU, read from the loaded forms (layers/kernel_plan.py)
+    assert models.data[0].model_extra["kernels"].startswith("kernels: ")
     assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
     assert httpx.get(server.url + "/admin/usage", headers=server.headers).status_code == 403  # a user key
     usage = httpx.get(server.url + "/admin/usage", headers=server.admin_headers).json()["keys"]

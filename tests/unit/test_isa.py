@@ -85,3 +85,18 @@ def test_auto_dtype_is_float32_only_where_bf16_would_be_emulated():
     assert choose_dtype(False, ZEN2) == "float32"  # torch alone would emulate bf16
     assert choose_dtype(False, ZEN4) == "bfloat16"  # AVX-512 BF16: torch's bf16 is native
     assert choose_dtype(False, SAPPHIRE) == "bfloat16"
+
+
+def test_auto_dtype_resolves_per_backend_and_cpu(monkeypatch, caplog):
+    """EngineArgs' dtype "auto" becomes a concrete dtype in the engine config: float32, with one
+    warning, where neither fornax's kernels nor the CPU compute bf16."""
+    from fornax.engine_args import EngineArgs
+    from fornax.layers import kernel_plan
+
+    monkeypatch.setattr(kernel_plan.isa, "cpu_flags", lambda: ZEN2)
+    with caplog.at_level("WARNING", logger="fornax.kernels"):
+        config = EngineArgs(model="m", kernel_backend="torch").create_engine_config()
+    assert config.dtype == "float32" and "dtype auto -> float32" in caplog.text
+    monkeypatch.setattr(kernel_plan.isa, "cpu_flags", lambda: SAPPHIRE)
+    assert EngineArgs(model="m", kernel_backend="torch").create_engine_config().dtype == "bfloat16"
+    assert EngineArgs(model="m", dtype="float32").create_engine_config().dtype == "float32"
