@@ -4,7 +4,7 @@ Each batch of B requests (200-token prompts) is prefilled, then the same engine 
 decode steps with the small-step form switched on for every step and then off (torch's
 dense bf16 linear, oneDNN). The form is int4 by default (its crossover sets the default
 `small_step_max_rows`); `--quantization none` measures the native bf16 kernel of dense
-models instead (its crossover sets DENSE_BF16_MAX_ROWS in fornax/layers/linear.py).
+models instead (its crossover sets DENSE_BF16_MAX_ROWS in fornax/layers/kernel_plan.py).
 
     .venv/bin/python benchmarks/decode_step.py [--batches 1,8,16,32,64] [--steps 8] [--quantization none]
 """

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from quant_matmul import HEAD_SHAPE, LAYER_SHAPES  # benchmarks/ is on sys.path when run as a script
 
-from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, DenseBf16, Int8Rotated
+from fornax.layers.kernel_plan import DENSE_BF16_MAX_ROWS
+from fornax.layers.linear import BlockInt4, DenseBf16, Int8Rotated
 from fornax.layers.native import load_bf16_matmul, load_int8_matmul, load_quant_matmul
 
 

@@ -400,8 +400,8 @@ class EngineConfig:
     # bf16 kernel up to 64 rows); "w8a8": int8 weights and int8 activations per token, after a
     # blockwise Hadamard rotation (layers/linear.py Int8Rotated): faster than bf16 from a dozen
     # rows up, for a small loss of perplexity (docs/performance.md). Needs dtype "bfloat16" and
-    # the native kernel backend (else a ConfigError); on a CPU without AVX-512 VNNI the dense
-    # weights serve the large steps, with a warning at load.
+    # the native kernel backend (else a ConfigError); where the native kernels cannot load the
+    # dense weights serve the large steps, with a warning at load (layers/kernel_plan.py).
     large_step_quantization: str | None = None
     large_step_min_rows: int = 1  # 1: every step past the small-step limit
     # "int4": the LM head also gets an int4 form for steps of at most LM_HEAD_INT4_MAX_ROWS

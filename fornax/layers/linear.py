@@ -1,36 +1,33 @@
-"""Linear layers: one dense weight, plus optional forms for small and large steps.
+"""Linear layers: one dense weight, plus optional forms for small, mid and large steps.
 
-On this CPU the best matmul kernel depends on how many tokens a step carries: with a few
-rows (decode), weight-only int8/int4 kernels read 2-4x fewer bytes and beat bf16; with many
-rows (prefill), bf16 through oneDNN beats them (measured: docs/kernels.md). So a Linear
-keeps its dense weight and, when configured, a "small-step" form chosen by `method`;
-`forward` picks by the row count of its input. The forms are small classes in registries
-(docs/architecture.md, rule 8), not branches inside the hot loop: BlockInt4 / BlockInt8
-run fornax's integer-dot-product kernel (kernels/quant_matmul.c) where the CPU has AVX-512
-VNNI and kernel_backend is "native"; they are also what the one-call small step
-(models/native_step.py) reads. Int4Grouped / Int8PerChannel run torch's kernels everywhere
-else.
+On a CPU the best matmul kernel depends on how many rows a step carries: with a few rows
+(decode), weight-only int4/int8 kernels read 2-4x fewer bytes than bf16; with many (prefill,
+batches), int8 weights times int8 activations compute about twice as fast as bf16 (measured:
+docs/kernels.md). So a Linear holds up to three forms and `forward` picks one by the row
+count of its input. Which forms, and for which row counts, is not decided here:
+layers/kernel_plan.py's plan_linear chooses them from the kernels that run, the file's
+quantization and the flags, and `build_forms` builds what it names.
 
-Dense bf16 models get a small-step form too where the CPU has AVX-512 BF16: DenseBf16 runs
-the Linear's own weight (no copy) through kernels/bf16_matmul.c, which streams it at the
-machine's read bandwidth where oneDNN's bf16 linear reaches about half of it at a few rows.
-It is not quantized: the same products in float32, summed in another order.
-
-Past the small form's limit a Linear may also have a "large" form, Int8Rotated: int8 weights
-times int8 activations (kernels/int8_matmul.c, AVX-512 VNNI), about twice bf16's speed on
-these compute-bound steps, with both sides rotated blockwise first so that one int8 scale
-per activation row loses little (large_step_quantization="w8a8").
+The forms are small classes (docs/architecture.md, rule 8), not branches inside the hot loop:
+BlockInt4 / BlockInt8 run fornax's integer kernel (kernels/quant_matmul.c, at every native
+level); they are also what the one-call small step (models/native_step.py) reads. DenseBf16
+and DenseF32 run the Linear's own weight (no copy) through the native dense kernels, AmxBf16
+holds it on AMX tiles, Int8Rotated rotates both sides blockwise and rounds them to int8
+(kernels/int8_matmul.c). Int4Grouped / Int8PerChannel are torch's kernels, for processes
+without the native ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fornax.layers import kernel_plan as kp
+from fornax.layers.kernel_plan import LinearPlan
 from fornax.layers.native import (
     AmxBf16Matmul,
     Bf16Matmul,
@@ -43,6 +40,8 @@ from fornax.layers.native import (
     load_int8_matmul,
     load_quant_matmul,
 )
+
+T = TypeVar("T")
 
 # Turns per-row maxima over a slice of each row into maxima over the whole rows, in place.
 RowMax = Callable[[torch.Tensor], None]
@@ -337,54 +336,24 @@ class Int8Rotated:
         return self.kernel(x, self.packed, self.colsum, self.scale, self.out_features, given_max=row_max)
 
 
-def int8_matmul_for(weight: torch.Tensor, backend: str) -> Int8Matmul | None:
-    """The int8 x int8 kernel when `backend` asks for it, it runs here, and `weight` is a bf16
-    matrix whose width is a multiple of 32; None: the Linear keeps bf16."""
-    ok = weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
-    return load_int8_matmul() if backend == "native" and ok else None
-
-
-# DenseBf16 serves steps of up to this many rows (or small_step_max_rows, if larger), in dense
-# models and, past the quantized forms' limit, in quantized ones: with the one-call step it
-# was ahead of oneDNN at every batch measured up to 64 rows (measured: docs/kernels.md).
-DENSE_BF16_MAX_ROWS = 64
-
-
-def dense_matmul_for(weight: torch.Tensor, backend: str) -> Bf16Matmul | None:
-    """The native bf16 kernel when `backend` asks for it, it runs on this CPU, and `weight`
-    is a contiguous bf16 matrix whose width is a multiple of 32; None: torch's linear."""
-    ok = weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape[1] % 32 == 0
-    return load_bf16_matmul() if backend == "native" and ok else None
-
-
-# use_one_form's row limit: more rows than any step carries.
-ONE_FORM_ROWS = 1 << 30
-
-
-def f32_matmul_for(weight: torch.Tensor, backend: str) -> F32Matmul | None:
-    """The fixed-order float32 kernel when `backend` asks for it, it runs here, and `weight` is a
-    contiguous float32 matrix whose width is a multiple of 16; None otherwise."""
-    ok = weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[1] % 16 == 0
-    return load_f32_matmul() if backend == "native" and ok else None
-
-
-def amx_matmul_for(weight: torch.Tensor, backend: str) -> AmxBf16Matmul | None:
-    """The AMX bf16 kernel when `backend` asks for it, it runs here, and `weight` is a bf16
-    matrix whose width is a multiple of 32; None otherwise."""
-    ok = weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
-    return load_amx_bf16_matmul() if backend == "native" and ok else None
-
-
 SMALL_STEP_METHODS: dict[str, type] = {"int8": Int8PerChannel, "int4": Int4Grouped}
-NATIVE_SMALL_STEP_METHODS: dict[str, type] = {"int8": BlockInt8, "int4": BlockInt4}
 
 
-def native_matmul_for(in_features: int, backend: str) -> QuantMatmul | None:
-    """The native integer kernel when `backend` asks for it, it runs on this CPU, and the
-    width fits its pairs of 32-blocks; None means torch's int8/int4 kernels."""
-    if backend != "native" or in_features % 64:
-        return None
-    return load_quant_matmul()
+class Int4FileBlocks(NamedTuple):
+    """A GGUF's own Q4 blocks for one Linear (its tensors' rows concatenated): q [out, in] in
+    [0, 15], w = (q - 8) * scale + zero per group of group_size values."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+
+
+def _kernel(load: Callable[[], T | None], form: str) -> T:
+    kernel = load()
+    if kernel is None:  # the plan was made for kernels this process did not load
+        raise RuntimeError(f"the {form} form was planned, but its native kernel did not load")
+    return kernel
 
 
 class Linear(nn.Module):
@@ -393,7 +362,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        # None once release_dense_weight finds that the step forms cover every row count.
+        # None once the plan finds that its forms serve every row count (build_forms).
         dense = torch.empty(out_features, in_features, dtype=dtype)
         self.weight: nn.Parameter | None = nn.Parameter(dense, requires_grad=False)
         self.bias = (
@@ -408,110 +377,84 @@ class Linear(nn.Module):
         # Steps of at least large_min_rows rows (and past the small form's limit): int8 x int8.
         self.large: Int8Rotated | None = None
         self.large_min_rows = 0
+        # What build_forms built, as plan_linear chose it; until then the dense weight alone.
+        self.plan = LinearPlan(dense_name=f"{kp.DTYPE_NAMES.get(dtype, '?')} (torch)")
+
+    def shape(self, **file: object) -> kp.LinearShape:
+        """This Linear as plan_linear sees it; `file`: LinearShape's fields on the file's tensors."""
+        return kp.LinearShape(self.in_features, self._dense().dtype, **file)  # type: ignore[arg-type]
 
     def _dense(self) -> torch.Tensor:
         if self.weight is None:
-            raise RuntimeError("the dense weight was released; set step forms before release_dense_weight")
+            raise RuntimeError("the dense weight was released: no form can be built from it")
         return self.weight.data
 
-    def set_small_step_method(self, method: str, max_rows: int, backend: str = "native") -> None:
-        """Use `method` for inputs of at most `max_rows` rows (the dense weight serves the rest):
-        the native integer kernel where it runs (`backend` "native"), else torch's."""
-        kernel = native_matmul_for(self.in_features, backend)
-        if kernel is not None:
-            self.set_small(NATIVE_SMALL_STEP_METHODS[method](self._dense(), kernel), max_rows)
-        else:
-            self.set_small(SMALL_STEP_METHODS[method](self._dense()), max_rows)
+    def build_forms(
+        self,
+        plan: LinearPlan,
+        file_blocks: Int4FileBlocks | None = None,
+        whole_row_max: RowMax | None = None,
+    ) -> None:
+        """Build the forms `plan` names (layers/kernel_plan.py: plan_linear chose them) from the
+        dense weight, or from the file's own Q4 blocks where the plan says so, and drop the dense
+        weight where no step reads it. whole_row_max: this Linear's input is a slice of a longer
+        row (Int8Rotated)."""
+        self.small = self._make(plan.small, plan.small_from_file, file_blocks, whole_row_max)
+        self.mid = self._make(plan.mid, False, None, None)
+        self.large = self._make(plan.large, False, None, whole_row_max)
+        self.small_max_rows = plan.small_max_rows if self.small is not None else 0
+        self.mid_max_rows = plan.mid_max_rows if self.mid is not None else 0
+        self.large_min_rows = plan.large_min_rows if self.large is not None else 0
+        self.plan = plan
+        if not plan.keep_dense:
+            self.weight = None
+
+    def _make(
+        self,
+        form: str | None,
+        from_file: bool,
+        blocks: Int4FileBlocks | None,
+        whole_row_max: RowMax | None,
+    ) -> LinearMethod | None:
+        if form is None:
+            return None
+        if from_file:
+            if blocks is None:
+                raise ValueError(f"the {form} form is planned from the file's blocks, and none were given")
+            if form == kp.INT4:
+                return BlockInt4.from_blocks(
+                    blocks.q, blocks.scale, blocks.zero, _kernel(load_quant_matmul, form)
+                )
+            return Int4Grouped.from_blocks(blocks.q, blocks.scale, blocks.zero, blocks.group_size)
+        w = self._dense()
+        if form == kp.INT4:
+            return BlockInt4(w, _kernel(load_quant_matmul, form))
+        if form == kp.INT8:
+            return BlockInt8(w, _kernel(load_quant_matmul, form))
+        if form == kp.INT4_TORCH:
+            return Int4Grouped(w)
+        if form == kp.INT8_TORCH:
+            return Int8PerChannel(w)
+        if form == kp.BF16:
+            return DenseBf16(w, _kernel(load_bf16_matmul, form))
+        if form == kp.F32:
+            return DenseF32(w, _kernel(load_f32_matmul, form))
+        if form == kp.AMX_BF16:
+            return AmxBf16(w, _kernel(load_amx_bf16_matmul, form))
+        if form == kp.W8A8:
+            return Int8Rotated(w, _kernel(load_int8_matmul, form), whole_row_max)
+        raise ValueError(f"no such weight form: {form!r}")
+
+    def configure(self, request: kp.FormRequest, backend: str = "native") -> kp.LinearPlan:
+        """Plan and build this Linear's forms alone, with no file behind it (tests, benchmarks)."""
+        plan = kp.plan_linear(self.shape(), kp.Kernels.here(backend), request)
+        self.build_forms(plan)
+        return plan
 
     def set_small(self, form: LinearMethod, max_rows: int) -> None:
+        """A small-step form made elsewhere (a self-draft's own quantization of shared weights,
+        spec_decode/self_draft.py); the plan stays the target's."""
         self.small, self.small_max_rows = form, max_rows
-
-    def set_dense_small_step(self, max_rows: int, backend: str = "native") -> None:
-        """Serve inputs of at most `max_rows` rows from the native bf16 kernel, where it runs
-        (bf16 weights, AVX-512 BF16, `backend` "native"); otherwise nothing changes. With a
-        quantized small form already set, it takes the rows between that form's limit and
-        `max_rows` (the mid tier)."""
-        kernel = dense_matmul_for(self._dense(), backend)
-        if kernel is None:
-            return
-        if self.small is None:
-            self.set_small(DenseBf16(self._dense(), kernel), max_rows)
-        elif max_rows > self.small_max_rows:
-            self.mid, self.mid_max_rows = DenseBf16(self._dense(), kernel), max_rows
-        self._clip_mid()
-
-    def set_large_step_int8(
-        self, min_rows: int, backend: str = "native", whole_row_max: RowMax | None = None
-    ) -> None:
-        """Serve inputs of at least `min_rows` rows (past the small form's limit) by int8 x int8
-        matmuls (Int8Rotated), where they run; otherwise nothing changes. whole_row_max: this
-        Linear's input is a slice of a longer row (Int8Rotated)."""
-        kernel = int8_matmul_for(self._dense(), backend)
-        if kernel is not None:
-            self.large, self.large_min_rows = Int8Rotated(self._dense(), kernel, whole_row_max), min_rows
-            if isinstance(self.small, BlockInt8) and min_rows <= 1:
-                # Both read int8 weights, and the int8 x int8 kernel was the faster at every row
-                # count, one included (measured: docs/kernels.md): the weight-only form would be a
-                # second int8 copy of the weights that only costs memory.
-                self.small, self.small_max_rows = None, 0
-            self._clip_mid()
-
-    def use_one_form(self, backend: str = "native") -> None:
-        """Serve every row count with one form, for deterministic mode (docs/deterministic.md):
-        which form computes a row must not depend on how many rows share its step. The form is
-        the one that holds the weights as configured, and is batch-invariant here (each output
-        summed in an order fixed by the shapes of W and x's row alone): the int8 x int8 form
-        where w8a8 was asked for (it covers prefill), else the quantized small form, else the
-        dense weight on AMX tiles (AmxBf16) or, without AMX, through the native bf16 kernel;
-        a float32 weight through the fixed-order float32 kernel (DenseF32). ValueError where
-        none of them runs."""
-        if self.large is not None:
-            self.small, self.small_max_rows, self.large_min_rows = None, 0, 1
-        elif isinstance(self.small, (BlockInt4, BlockInt8)):
-            self.small_max_rows = ONE_FORM_ROWS
-        elif (amx := amx_matmul_for(self._dense(), backend)) is not None:
-            self.set_small(AmxBf16(self._dense(), amx), ONE_FORM_ROWS)
-        elif isinstance(self.small, DenseBf16):
-            self.small_max_rows = ONE_FORM_ROWS
-        elif self.small is None and (f32 := f32_matmul_for(self._dense(), backend)) is not None:
-            self.set_small(DenseF32(self._dense(), f32), ONE_FORM_ROWS)
-        else:
-            kernel = dense_matmul_for(self._dense(), backend) if self.small is None else None
-            if kernel is None:  # torch's int4/int8 kernels, or no native bf16 kernel
-                raise ValueError(
-                    f"Linear({self.in_features}, {self.out_features}): no batch-invariant form runs here "
-                    "(it needs a native kernel: AVX-512 BF16 for dense bf16 weights, VNNI for quantized ones)"
-                )
-            self.set_small(DenseBf16(self._dense(), kernel), ONE_FORM_ROWS)
-        self.mid, self.mid_max_rows = None, 0
-
-    def needs_dense_weight(self) -> bool:
-        """Whether some step still reads the dense weight: a row count that falls through every
-        form to torch's linear, or a DenseBf16 form (which computes from it)."""
-        if any(isinstance(f, (DenseBf16, DenseF32)) for f in (self.small, self.mid)):
-            return True
-        if self.small is not None and self.small_max_rows >= ONE_FORM_ROWS:
-            return False  # the small form serves every row count (use_one_form)
-        if self.large is None:
-            return True
-        small = self.small_max_rows if self.small is not None else 0
-        covered = max(small, self.mid_max_rows if self.mid is not None else 0)
-        return covered + 1 < self.large_min_rows  # rows in (covered, large_min_rows) fall through
-
-    def release_dense_weight(self) -> bool:
-        """Drop the dense weight when no step reads it (needs_dense_weight): with a quantized
-        small form below and int8 large steps above, it is a copy no step uses. True if dropped."""
-        if self.weight is None or self.needs_dense_weight():
-            return False
-        self.weight = None
-        return True
-
-    def _clip_mid(self) -> None:
-        """The mid tier ends where the large one starts (the one-call step reads mid_max_rows)."""
-        if self.large is not None and self.mid is not None:
-            self.mid_max_rows = min(self.mid_max_rows, self.large_min_rows - 1)
-            if self.mid_max_rows <= self.small_max_rows:
-                self.mid, self.mid_max_rows = None, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -522,7 +465,7 @@ class Linear(nn.Module):
         elif self.mid is not None and rows <= self.mid_max_rows:
             y = self.mid(x)
         else:
-            if self.weight is None:  # release_dense_weight checked that no row count gets here
+            if self.weight is None:  # dropped only where the plan found no row count gets here
                 shape = f"{self.in_features}, {self.out_features}"
                 raise RuntimeError(f"Linear({shape}): no form serves {rows} rows")
             return F.linear(x, self.weight, self.bias)

@@ -424,7 +424,7 @@ class FusedOps:
 
 class QuantMatmul:
     """ctypes wrappers of kernels/quant_matmul.c: y = x W^T for W in 4- or 8-bit blocks of 32
-    (formats there; built by layers/linear.py). Only loaded where the CPU has AVX-512 VNNI."""
+    (formats there; built by layers/linear.py). Loaded at every native level (docs/kernels.md)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
@@ -504,7 +504,7 @@ class _DenseMatmul:
 
 class Bf16Matmul(_DenseMatmul):
     """kernels/bf16_matmul.c: y = x W^T for a bf16 Linear's own weight, for steps of a few rows.
-    Only loaded where the CPU has AVX-512 BF16."""
+    Loaded at every native level (docs/kernels.md)."""
 
     symbol, dtype = "bf16_matmul_bf16", torch.bfloat16
 
@@ -557,8 +557,8 @@ class AmxBf16Matmul:
 
 class Int8Matmul:
     """ctypes wrappers of kernels/int8_matmul.c: int8 x int8 matmuls of weights and activations
-    rotated blockwise (formats there; built by layers/linear.py Int8Rotated). Only loaded where
-    the CPU has AVX-512 VNNI."""
+    rotated blockwise (formats there; built by layers/linear.py Int8Rotated). Loaded at every
+    native level (docs/kernels.md)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i = ctypes.c_void_p, ctypes.c_int
@@ -814,19 +814,20 @@ def _wrap_if_available(available: str, wrapper: Callable[[ctypes.CDLL], T]) -> T
 
 @functools.cache
 def load_quant_matmul() -> QuantMatmul | None:
-    """The integer-dot-product matmuls, or None where they cannot run here (no VNNI, no compiler)."""
+    """The integer-dot-product matmuls, or None where they cannot run here (no AVX2/AVX-512/NEON
+    level, no compiler)."""
     return _wrap_if_available("quant_matmul_available", QuantMatmul)
 
 
 @functools.cache
 def load_bf16_matmul() -> Bf16Matmul | None:
-    """The bf16 small-step matmul, or None where it cannot run here (no AVX-512 BF16, no compiler)."""
+    """The bf16 small-step matmul, or None where it cannot run here (no native level, no compiler)."""
     return _wrap_if_available("bf16_matmul_available", Bf16Matmul)
 
 
 @functools.cache
 def load_f32_matmul() -> F32Matmul | None:
-    """The fixed-order float32 matmul, or None where it cannot run here (no AVX-512, no compiler)."""
+    """The fixed-order float32 matmul, or None where it cannot run here (no native level, no compiler)."""
     return _wrap_if_available("f32_matmul_available", F32Matmul)
 
 
@@ -839,7 +840,7 @@ def load_amx_bf16_matmul() -> AmxBf16Matmul | None:
 
 @functools.cache
 def load_int8_matmul() -> Int8Matmul | None:
-    """The int8 x int8 matmul, or None where it cannot run here (no AVX-512 VNNI, no compiler)."""
+    """The int8 x int8 matmul, or None where it cannot run here (no native level, no compiler)."""
     return _wrap_if_available("int8_matmul_available", Int8Matmul)
 
 

@@ -13,7 +13,8 @@ from torch import nn
 from fornax.config import EngineConfig, ModelConfig
 from fornax.layers import hugepages
 from fornax.layers.embedding import FileEmbedding
-from fornax.layers.linear import DENSE_BF16_MAX_ROWS, BlockInt4, Int4Grouped, Linear, native_matmul_for
+from fornax.layers.kernel_plan import FormRequest, Kernels, NoBatchInvariantForm, plan_linear
+from fornax.layers.linear import Int4FileBlocks, Linear
 from fornax.layers.memory import release_free_heap
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
@@ -115,7 +116,7 @@ def load_model(
     or float tensors under "auto") the native bf16 kernel in bf16 models (layers/linear.py).
     None: torch's dense linear for every step. large_step: (method, min_rows): "w8a8" serves
     steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
-    deterministic: each Linear then keeps one of those forms for every step (Linear.use_one_form);
+    deterministic: each Linear then keeps one of those forms for every step (kernel_plan.py);
     ModelLoadError where no batch-invariant form runs on this CPU. shard: only this rank's slice
     of each layer (models/tensor_parallel.py), read alone from the file, its row-parallel
     outputs completed by shard.all_reduce; the forms are then built per slice.
@@ -150,45 +151,21 @@ def load_model(
     with torch.no_grad():
         model.load_weights(weights.tensors)
     model.eval()
-    if small_step is not None and small_step[1] > 0:
-        method, max_rows = small_step
-        if auto:
-            set_small_step_from_file(model, weights, max_rows, kernel_backend)
-        elif method is not None:
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.set_small_step_method(method, max_rows, kernel_backend)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if large_step is not None and large_step[0] == "w8a8":
-        # a rank's row-parallel projections hold slices of each int8 row: their scales come
-        # from the whole row (a max across the ranks), as one process would round them
-        cut_rows = (
-            {id(x) for x in row_parallel_linears(model)} if shard is not None and not shard.exact else set()
-        )
-        for linear in linears:
-            whole_row_max = shard.all_reduce_max if shard is not None and id(linear) in cut_rows else None
-            linear.set_large_step_int8(large_step[1], kernel_backend, whole_row_max)
-        if all(linear.large is None for linear in linears):
-            logger.warning(
-                "w8a8 large steps cannot run here (no AVX-512 VNNI or no C compiler): dense weights serve them"
-            )
-    if small_step is not None and small_step[1] > 0:
-        # dense bf16 forms: alone, or past the quantized limit; not where int8 x int8 runs
-        # (it beats them at every row count, benchmarks/int8_matmul.py)
-        for linear in linears:
-            if linear.large is None:
-                linear.set_dense_small_step(max(small_step[1], DENSE_BF16_MAX_ROWS), kernel_backend)
-    if lm_head_int4:
-        lm_head_int4_form(model.lm_head, kernel_backend)
-    if deterministic:
-        try:
-            for linear in linears:
-                linear.use_one_form(kernel_backend)
-        except ValueError as exc:
-            raise ModelLoadError(f"deterministic mode: {exc}") from exc
-    if not keep_dense_weights:
-        for linear in linears:
-            linear.release_dense_weight()
+    request = FormRequest(
+        small_method=small_step[0] if small_step is not None else None,
+        small_max_rows=small_step[1] if small_step is not None else 0,
+        large_method=large_step[0] if large_step is not None else None,
+        large_min_rows=large_step[1] if large_step is not None else 0,
+        lm_head_int4=lm_head_int4,
+        deterministic=deterministic,
+        keep_dense=keep_dense_weights,
+    )
+    # a rank's row-parallel projections hold slices of each int8 row: their scales come from
+    # the whole row (a max across the ranks), as one process would round them
+    cut_rows = (
+        {id(x) for x in row_parallel_linears(model)} if shard is not None and not shard.exact else set()
+    )
+    build_planned_forms(model, weights, request, Kernels.here(kernel_backend), cut_rows, shard)
     if shard is not None and shard.exact:
         assert shard.all_gather is not None
         install_gathers(model, weights.config, shard.world, shard.all_gather)
@@ -223,22 +200,6 @@ def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard 
     )
 
 
-# The LM head's int4 form (lm_head_int4) serves steps of at most this many rows: Gemma 3's
-# 262k x 640 head, one row 3.1 ms against 6.8 for int8 x int8, two 4.3 against ~7; from four
-# rows on the int8 forms win (native int4 vs int8 kernels, 2026-12-05).
-LM_HEAD_INT4_MAX_ROWS = 2
-
-
-def lm_head_int4_form(head: Linear, kernel_backend: str) -> None:
-    """An int4 small form for the LM head (requantized from its weight, per 32 values), where the
-    native integer kernel runs; the head's other forms serve the larger steps."""
-    kernel = native_matmul_for(head.in_features, kernel_backend)
-    if kernel is None or head.weight is None:
-        logger.warning("the int4 LM head needs the native integer kernel (AVX-512 VNNI and a C compiler)")
-        return
-    head.set_small(BlockInt4(head.weight.data, kernel), LM_HEAD_INT4_MAX_ROWS)
-
-
 def embedding_from_file(model: LlamaForCausalLM, weights: LoadedWeights) -> None:
     """Look token rows up in the memory-mapped GGUF instead of a dense table, when the table is
     not also the LM head's dense weight (tied, and kept because some step reads it)."""
@@ -265,30 +226,46 @@ def weights_on_huge_pages(model: nn.Module) -> None:
         setattr(holder, name, packed[key])
 
 
-def set_small_step_from_file(
-    model: LlamaForCausalLM, weights: LoadedWeights, max_rows: int, kernel_backend: str = "native"
+def build_planned_forms(
+    model: LlamaForCausalLM,
+    weights: LoadedWeights,
+    request: FormRequest,
+    kernels: Kernels,
+    cut_rows: set[int],
+    shard: Shard | None,
 ) -> None:
-    """quantization="auto": each Linear's small-step form is what its GGUF tensors carry.
-
-    Q4_0/Q4_1 tensors become int4 from the file's own blocks (its 4-bit values and per-block
-    scales, only the scales rounded to bf16), so no second rounding of the weights; other
-    quantized types are requantized to the int form of at least their precision; float
-    tensors (and HF directories) keep the dense weights alone."""
-    for linear, names in model.linear_sources():
-        kinds = {weights.file_quantization.get(n) for n in names}
-        if all(n in weights.int4_blocks for n in names):
-            blocks = [weights.int4_blocks[n] for n in names]  # all Q4 blocks: group 32
-            cat = [torch.cat([getattr(b, f) for b in blocks]) for f in ("q", "scale", "zero")]
-            kernel = native_matmul_for(linear.in_features, kernel_backend)
-            form = (
-                Int4Grouped.from_blocks(*cat, blocks[0].group_size)
-                if kernel is None
-                else BlockInt4.from_blocks(*cat, kernel)
-            )
-            linear.set_small(form, max_rows)
-        elif None not in kinds:  # quantized in the file, in some other form
-            linear.set_small_step_method("int8" if "int8" in kinds else "int4", max_rows, kernel_backend)
+    """Each Linear's forms as layers/kernel_plan.py plans them for its shape and the file's
+    quantization of its tensors (quantization="auto": Q4_0/Q4_1 tensors become int4 from the
+    file's own blocks, so no second rounding; other quantized types are requantized to the int
+    form of at least their precision; float tensors keep their dense weights)."""
+    head = getattr(model, "lm_head", None)
+    sources = {id(linear): names for linear, names in model.linear_sources()}
+    plans = []
+    for linear in (m for m in model.modules() if isinstance(m, Linear)):
+        names = sources.get(id(linear), [])
+        blocks = None
+        if names and all(n in weights.int4_blocks for n in names):  # all Q4 blocks: group 32
+            parts = [weights.int4_blocks[n] for n in names]
+            cat = [torch.cat([getattr(b, f) for b in parts]) for f in ("q", "scale", "zero")]
+            blocks = Int4FileBlocks(*cat, parts[0].group_size)
+        shape = linear.shape(
+            file_kinds=frozenset(weights.file_quantization.get(n) for n in names) or frozenset({None}),
+            file_int4_blocks=blocks is not None,
+            is_lm_head=linear is head,
+        )
+        try:
+            plan = plan_linear(shape, kernels, request)
+        except NoBatchInvariantForm as exc:
+            size = f"{linear.in_features}, {linear.out_features}"
+            raise ModelLoadError(f"deterministic mode: Linear({size}): {exc}") from exc
+        whole_row_max = shard.all_reduce_max if shard is not None and id(linear) in cut_rows else None
+        linear.build_forms(plan, blocks, whole_row_max)
+        plans.append(plan)
+        for note in plan.notes:
+            logger.warning("%s", note)
     weights.int4_blocks.clear()  # the packed forms hold what is needed
+    if request.large_method == "w8a8" and all(p.large is None for p in plans):
+        logger.warning("w8a8 large steps cannot run here (no native kernels): dense weights serve them")
 
 
 __all__ = [

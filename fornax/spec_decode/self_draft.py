@@ -56,8 +56,7 @@ def make_self_draft(
     if quantization is not None:
         for module in draft.modules():
             if isinstance(module, Linear):
-                module.small = SMALL_STEP_METHODS[quantization](module.weight.data)
-                module.small_max_rows = QUANTIZED_MAX_ROWS
+                module.set_small(SMALL_STEP_METHODS[quantization](module.weight.data), QUANTIZED_MAX_ROWS)
     return draft
 
 

@@ -1,14 +1,16 @@
-/* A driver for the integer matmul kernels, the fused elementwise ops and paged attention with
- * no Python and no torch, so that an AArch64 build of them (the NEON paths: fornax/layers/
- * kernels/quant_matmul_neon.h, int8_matmul_neon.h, fused_ops.c and paged_attention.c on
- * vec128.h) can run under qemu-user and be checked against the same references as the x86
- * kernels (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
+/* A driver for the integer and dense matmul kernels, the fused elementwise ops and paged
+ * attention with no Python and no torch, so that an AArch64 build of them (the NEON paths:
+ * fornax/layers/kernels/quant_matmul_neon.h, int8_matmul_neon.h, dense_neon.h behind
+ * bf16_matmul.c and f32_matmul.c, fused_ops.c and paged_attention.c on vec128.h) can run under
+ * qemu-user and be checked against the same references as the x86 kernels
+ * (tests/arm/test_neon_kernels.py writes the inputs and reads the outputs).
  *
  * Build: link with the kernels' own sources, e.g.
  *   aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod -fopenmp -std=c11 -ffp-contract=fast -static \
  *       -Ifornax/layers/kernels tests/arm/harness.c fornax/layers/kernels/quant_matmul.c \
  *       fornax/layers/kernels/int8_matmul.c fornax/layers/kernels/fused_ops.c \
- *       fornax/layers/kernels/paged_attention.c -o harness -lm
+ *       fornax/layers/kernels/paged_attention.c fornax/layers/kernels/bf16_matmul.c \
+ *       fornax/layers/kernels/f32_matmul.c -o harness -lm
  * Run:   qemu-aarch64-static ./harness CASE_DIR [CASE_DIR ...]
  * It prints one line per case ("ok DIR") and exits 0, or names what failed and exits 1.
  *
@@ -67,7 +69,17 @@
  *   output y.T   [rows, n, k]
  * Every index is checked against those sizes before the call (the kernel trusts them).
  *
+ * The dense matmuls y = x W^T take ops 16 (f32_matmul_f32, T float32) and 17 (bf16_matmul_bf16,
+ * T bfloat16); k = K, n = N, ldx = the activations' row stride (>= k):
+ *   x.T          [rows, ldx]
+ *   w.T          [n, k]
+ *   outputs status.i32 int32[1] (the kernel's return value) and, where it is 0, y.T [rows, n]
+ * Unlike the other ops a nonzero status is no failure here, and rows, k and n may be 0: shapes
+ * the kernel must refuse (status 1) are cases too, checked by the test.
+ *
  * `harness --lanes` prints "lanes L": vec.h's VF_LANES in this build (1: no vector path).
+ * `harness --available` prints "bf16_matmul A" and "f32_matmul A": the dense kernels'
+ * *_available() in this build.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -119,6 +131,13 @@ DECLARE_PAGED_ATTENTION(paged_attention_f32, float, float)
 DECLARE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t)
 DECLARE_PAGED_ATTENTION(paged_attention_f32_i8, float, int8_t)
 DECLARE_PAGED_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t)
+/* bf16_matmul.c, f32_matmul.c (dense_neon.h here) */
+int bf16_matmul_available(void);
+int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n, uint16_t *y,
+                     int num_threads);
+int f32_matmul_available(void);
+int f32_matmul_f32(const float *x, long x_stride, int t_rows, int k, const float *w, int n, float *y,
+                   int num_threads);
 
 enum {
     OP_RMS_NORM = 4,
@@ -128,7 +147,9 @@ enum {
     OP_FUSED_END = 12,
     OP_ATTENTION = 12,    /* 13: bf16 */
     OP_ATTENTION_I8 = 14, /* 15: bf16 queries */
-    OP_ATTENTION_END = 16
+    OP_ATTENTION_END = 16,
+    OP_DENSE = 16, /* 17: bf16 */
+    OP_DENSE_END = 18
 };
 
 static const char *case_dir;
@@ -334,6 +355,23 @@ static int run_attention(int op, int rows, int head_dim, int heads, int ldx, int
     return bad;
 }
 
+static int run_dense(int op, int rows, int k, int n, int ldx, int threads) {
+    const int bf16 = op & 1;
+    /* only what reading the files needs: the kernel itself must refuse the other bad shapes */
+    if (rows < 0 || k < 0 || n < 0 || ldx < k || threads < 1) return fail("bad params for a dense matmul");
+    void *x = read_typed("x", bf16, (size_t)rows * ldx, 0), *w = read_typed("w", bf16, (size_t)n * k, 0);
+    void *y = calloc((size_t)rows * n + 1, bf16 ? sizeof(uint16_t) : sizeof(float));
+    int bad = !x || !w || !y;
+    if (!bad) {
+        const int32_t status = bf16 ? bf16_matmul_bf16(x, ldx, rows, k, w, n, y, threads)
+                                    : f32_matmul_f32(x, ldx, rows, k, w, n, y, threads);
+        bad = write_output("status.i32", &status, sizeof status) ||
+              (status == 0 && write_typed("y", bf16, y, (size_t)rows * n));
+    }
+    free(x), free(w), free(y);
+    return bad;
+}
+
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "--lanes") == 0) {
 #if HAVE_VEC
@@ -341,6 +379,10 @@ int main(int argc, char **argv) {
 #else
         printf("lanes 1\n");
 #endif
+        return 0;
+    }
+    if (argc == 2 && strcmp(argv[1], "--available") == 0) {
+        printf("bf16_matmul %d\nf32_matmul %d\n", bf16_matmul_available(), f32_matmul_available());
         return 0;
     }
     if (!quant_matmul_available() || !int8_matmul_available()) {
@@ -358,7 +400,8 @@ int main(int argc, char **argv) {
         const int op = p[0], rows = p[1], k = p[2], n = p[3], ldx = p[4], threads = p[5];
         free(p);
         int bad;
-        if (rows < 1 || k < 1 || n < 1 || ldx < k || threads < 1) bad = fail("bad params");
+        if (op >= OP_DENSE && op < OP_DENSE_END) bad = run_dense(op, rows, k, n, ldx, threads);
+        else if (rows < 1 || k < 1 || n < 1 || ldx < k || threads < 1) bad = fail("bad params");
         else if (op == 1 || op == 2) bad = run_quant(op == 1, rows, k, n, ldx, threads);
         else if (op == 3) bad = run_int8(rows, k, n, ldx, threads);
         else if (op >= OP_RMS_NORM && op < OP_FUSED_END) bad = run_fused(op, rows, k, n, ldx, threads);

@@ -1,5 +1,6 @@
 """The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h),
-fused elementwise ops (kernels/fused_ops.c on vec128.h) and paged attention
+dense bf16 / float32 matmuls (kernels/bf16_matmul.c, f32_matmul.c on dense_neon.h), fused
+elementwise ops (kernels/fused_ops.c on vec128.h) and paged attention
 (kernels/paged_attention.c on vec128.h), cross-compiled for AArch64 and run under qemu-user,
 against the definitions the x86 tests use.
 
@@ -32,6 +33,15 @@ tests/model/test_quant_matmul.py and tests/model/test_int8_rotated.py check the 
   of 1, 17, 98-100 and 300 keys in shuffled blocks, GQA groups of 3, no window and a window
   of 32, part_keys 0 (the split by rows, KV heads or keys) and 128 (deterministic mode), 1
   and 2 threads, strided query rows.
+- dense bf16 / float32 (deterministic mode's kernels): *_available() is 1; each bf16 output
+  within one bf16 ulp of the exact float64 product (tests/model/test_bf16_matmul.py's bound),
+  each float32 one within K float32 roundings of it; both bit for bit the AVX2 path's order
+  (8 lanes in K order, hsum256's fold), emulated exactly in numpy, and the x86 library's own
+  output where it runs that path here; every row's bits the same alone, at other offsets in
+  other batches, against slices of the weight rows and at 1 or 2 threads; K not a multiple of
+  32 (bf16) / 16 (float32), no rows or no weight rows refused with status 1. Weight rows 5, 7
+  and 130 (partial 4-row tiles, 130 over OpenMP's threads), activation rows 1 .. 9 (passes of
+  2 and a lone last row), strided rows, K 32 and 96 (bf16), 16 and 48 (float32).
 
 Tile edges: activation rows 1, 2, 3, 5, 17 (the 2-row tiles of Q4/Q8, the 4- and 2-row
 register blocks of int8), output widths not a multiple of 4 or of 64, K = 64 .. 1536.
@@ -388,10 +398,118 @@ def _write_attn_case(case: AttnCase, directory: Path) -> None:
         (directory / name).write_bytes(_bits(t))
 
 
+# ---- the dense matmuls (bf16_matmul.c, f32_matmul.c on dense_neon.h) ----
+
+OP_DENSE = 16  # f32_matmul_f32; the harness adds 1 for bf16_matmul_bf16
+DENSE_K = {torch.bfloat16: (32, 96), torch.float32: (16, 48)}  # each kernel's K multiple, and 3x it
+DENSE_N = [5, 7, 130]  # partial 4-row weight tiles; 130: 33 tiles over 2 threads
+DENSE_ROWS = [1, 2, 3, 4, 5, 9]  # passes of 2 activation rows, a lone last row; 3 .. 9 strided
+INV_ROWS, INV_N = 7, 7  # the batch-invariance call: [7, K] x [7, K]^T
+
+
+@dataclass
+class DenseCase:
+    name: str
+    x: torch.Tensor  # [rows, k]; a view with a wider row stride for some
+    w: torch.Tensor  # [n, k]
+    threads: int
+
+
+def _dense_cases() -> tuple[list[DenseCase], list[DenseCase]]:
+    """(the product cases, the shapes each kernel must refuse)."""
+    cases, bad = [], []
+    for dtype, t in EXT.items():
+        for k in DENSE_K[dtype]:
+            for n in DENSE_N:
+                for rows in DENSE_ROWS:
+                    seed = k * 10000 + n * 10 + rows
+                    if rows >= 3:
+                        x = _strided_rows(rows, k, dtype, seed)
+                    else:
+                        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+                    name = f"dense-{t}-k{k}-n{n}-r{rows}"
+                    cases.append(DenseCase(name, x, w, threads=2 if n > 8 else 1))
+        multiple = DENSE_K[dtype][0]
+        gen = torch.Generator().manual_seed(5)
+        for k in (multiple // 2, multiple + 8, 3 * multiple // 2):  # multiples of 8, not of the kernel's K
+            x, w = torch.randn(3, k, generator=gen).to(dtype), torch.randn(5, k, generator=gen).to(dtype)
+            bad.append(DenseCase(f"dense-bad-{t}-k{k}", x, w, 1))
+        x, w = (
+            torch.randn(2, multiple, generator=gen).to(dtype),
+            torch.randn(5, multiple, generator=gen).to(dtype),
+        )
+        bad.append(DenseCase(f"dense-bad-{t}-no-rows", x[:0], w, 1))
+        bad.append(DenseCase(f"dense-bad-{t}-no-weight-rows", x, w[:0], 1))
+    return cases, bad
+
+
+DENSE_CASES, DENSE_BAD = _dense_cases()
+DENSE_BY_NAME = {c.name: c for c in DENSE_CASES + DENSE_BAD}
+DENSE_NAMES = [c.name for c in DENSE_CASES]
+DENSE_BAD_NAMES = [c.name for c in DENSE_BAD]
+# Slices of the invariance call's activation and weight rows, each its own call: every row alone,
+# rows at other offsets of other batches (a row first of its 2-row pass in one call, last in the
+# other), weight rows alone (a tile with one live row) and at shifted tile positions.
+INV_SLICES = [(slice(r, r + 1), slice(None)) for r in range(INV_ROWS)]
+INV_SLICES += [(slice(1, 4), slice(None)), (slice(2, 7), slice(None)), (slice(0, 6), slice(None))]
+INV_SLICES += [(slice(None), slice(c, c + 1)) for c in (0, 3, 4, 6)]
+INV_SLICES += [(slice(None), slice(1, 6)), (slice(3, 5), slice(2, 7))]
+
+
+def _inv_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (strided) and w whose products cancel: at a quarter of the K positions both are 256x
+    larger, and another quarter repeats those x values against the negated weights, so each
+    exact sum is O(10) while its partial sums reach O(10^5). Their float32 roundings then move
+    the result by about a bf16 ulp, so a change in the order of the additions shows in bf16
+    outputs too (on randn inputs it would hide below bf16's rounding: a sum folded in another
+    order changed none of 49 bf16 outputs, against 11 here)."""
+    k = DENSE_K[dtype][1]
+    gen = torch.Generator().manual_seed(77)
+    x, w = torch.randn(INV_ROWS, k, generator=gen), torch.randn(INV_N, k, generator=gen)
+    perm = torch.randperm(k, generator=gen)
+    big, echo = perm[: k // 4], perm[k // 4 : k // 2]
+    x[:, big] *= 256
+    w[:, big] *= 256
+    x, w = x.to(dtype), w.to(dtype)
+    x[:, echo], w[:, echo] = x[:, big], -w[:, big]
+    wide = x.new_zeros(INV_ROWS, k + 40)
+    wide[:, 8 : 8 + k] = x
+    return wide[:, 8 : 8 + k], w
+
+
+def _inv_cases() -> list[DenseCase]:
+    """The whole invariance call at 2 threads and each slice of it at 1."""
+    cases = []
+    for dtype, t in EXT.items():
+        x, w = _inv_inputs(dtype)
+        cases.append(DenseCase(f"dense-inv-{t}-all", x, w, 2))
+        for i, (rs, cs) in enumerate(INV_SLICES):
+            cases.append(DenseCase(f"dense-inv-{t}-{i}", x[rs], w[cs], 1))
+    return cases
+
+
+DENSE_INV = _inv_cases()
+DENSE_BY_NAME.update({c.name: c for c in DENSE_INV})
+
+
+def _write_dense_case(case: DenseCase, directory: Path) -> None:
+    directory.mkdir(parents=True)
+    bf16 = case.x.dtype == torch.bfloat16
+    (rows, k), n = case.x.shape, case.w.shape[0]
+    params = [OP_DENSE + bf16, rows, k, n, case.x.stride(0), case.threads]
+    ext = EXT[case.x.dtype]
+    files = {"params": torch.tensor(params, dtype=torch.int32), f"x.{ext}": _with_stride(case.x)}
+    files[f"w.{ext}"] = case.w
+    for name, t in files.items():
+        (directory / name).write_bytes(_bits(t))
+
+
 def _build(march: str, out: Path) -> Path:
     """The harness with the kernels, statically linked; kernel sources compiled warning-free."""
     objects = []
-    sources = ["quant_matmul.c", "int8_matmul.c", "fused_ops.c", "paged_attention.c"]
+    sources = ["quant_matmul.c", "int8_matmul.c", "fused_ops.c", "paged_attention.c", "bf16_matmul.c"]
+    sources.append("f32_matmul.c")
     for src in (HARNESS, *(KERNELS / name for name in sources)):
         obj = out / f"{src.stem}.o"
         cmd = [CC, "-O3", f"-march={march}", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wall"]
@@ -427,11 +545,18 @@ def outputs(request, tmp_path_factory) -> tuple[str, Path]:
         directory = root / case.name
         _write_attn_case(case, directory)
         dirs.append(str(directory))
+    for case in DENSE_BY_NAME.values():
+        directory = root / case.name
+        _write_dense_case(case, directory)
+        dirs.append(str(directory))
     run = subprocess.run([QEMU, str(exe), *dirs], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     lanes = subprocess.run([QEMU, str(exe), "--lanes"], capture_output=True, text=True, timeout=60)
     assert lanes.returncode == 0, lanes.stderr
     (root / "lanes").write_text(lanes.stdout)
+    available = subprocess.run([QEMU, str(exe), "--available"], capture_output=True, text=True, timeout=60)
+    assert available.returncode == 0, available.stderr
+    (root / "available").write_text(available.stdout)
     return march, root
 
 
@@ -793,3 +918,123 @@ def test_paged_attention_matches_the_x86_library(outputs, name):
         assert err <= 1e-6 * scale, err / scale
     else:
         assert _ulps(got, x86).max().item() <= 1 and (got != x86).float().mean().item() < 0.01
+
+
+# ---- the dense matmuls: the exact product, the AVX2 path's order, batch invariance ----
+
+
+def _dense_output(root: Path, case: DenseCase) -> torch.Tensor:
+    """The harness's y for a case whose status was 0."""
+    status = _read(root / case.name / "status.i32", torch.int32, (1,)).item()
+    assert status == 0, f"{case.name}: status {status}"
+    shape = (case.x.shape[0], case.w.shape[0])
+    return _read(root / case.name / f"y.{EXT[case.x.dtype]}", case.x.dtype, shape)
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once, as FMA (vfmaq_f32, _mm256_fmadd_ps) rounds it. The product
+    of two float32 values is exact in float64; the sum is rounded there to odd (TwoSum gives the
+    exact error; an inexact sum with an even last bit moves one float64 ulp toward the true
+    value), which leaves the rounding to float32 correct: no double rounding."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+@functools.cache
+def _lane_order(name: str) -> torch.Tensor:
+    """The float32 sums in dense_avx2.h's order, which dense_neon.h keeps: per output 8 lanes,
+    lane l taking K positions l, l + 8, ... by FMA in K order; then hsum256's fold (upper 4 lanes
+    onto the lower, (0 + 2) + (1 + 3)). Rounded to bf16 (to nearest even) for bf16 cases."""
+    case = DENSE_BY_NAME[name]
+    x, w = case.x.float().numpy(), case.w.float().numpy()
+    acc = np.zeros((x.shape[0], w.shape[0], 8), dtype=np.float32)
+    for i in range(0, x.shape[1], 8):
+        acc = _fma32(w[None, :, i : i + 8], x[:, None, i : i + 8], acc)
+    half = acc[..., :4] + acc[..., 4:]
+    sums = torch.from_numpy((half[..., 0] + half[..., 2]) + (half[..., 1] + half[..., 3]))
+    return sums.to(case.x.dtype)
+
+
+def test_dense_kernels_are_available(outputs):
+    """bf16_matmul_available() and f32_matmul_available() say 1 in every NEON build (the Python
+    side, and deterministic mode, take the kernels only where they do)."""
+    _, root = outputs
+    assert (root / "available").read_text().split() == ["bf16_matmul", "1", "f32_matmul", "1"]
+
+
+@pytest.mark.parametrize("name", DENSE_NAMES)
+def test_dense_matches_the_exact_product(outputs, name):
+    """bf16: each output within one bf16 ulp of the float64 product (products exact in float32,
+    float32 sums, one rounding), as test_bf16_matmul checks the x86 kernels. float32: within
+    1e-5 relative plus K float32 roundings of sum |x w| (the bound of any order of K - 1 adds).
+    Both: bit for bit the AVX2 path's sums (_lane_order)."""
+    _, root = outputs
+    case = DENSE_BY_NAME[name]
+    y = _dense_output(root, case)
+    exact = case.x.double() @ case.w.double().T
+    k = case.x.shape[1]
+    if case.x.dtype == torch.bfloat16:
+        ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)  # bf16 keeps 8 significant bits
+        assert bool(((y.double() - exact).abs() <= ulp + 1e-30).all()), (y.double() - exact).abs().max()
+    else:
+        bound = 1e-5 * exact.abs() + k * 2.0**-24 * (case.x.double().abs() @ case.w.double().abs().T)
+        assert bool(((y.double() - exact).abs() <= bound).all()), (y.double() - exact).abs().max()
+    assert not _differing_bits(y, _lane_order(name)).any()
+
+
+# The x86 levels whose dense kernel is the AVX2 tile (dense_avx2.h); the others differ in their order.
+X86_AVX2_DENSE = {torch.bfloat16: ("avx2", "avx512", "avx512-vnni"), torch.float32: ("avx2",)}
+
+
+@pytest.mark.parametrize("name", [*DENSE_NAMES, "dense-inv-bf16-all", "dense-inv-f32-all"])
+def test_dense_matches_the_x86_library(outputs, name):
+    """Where this machine's library runs the AVX2 tile, NEON gives its bits: the same FMAs in the
+    same lanes, the same fold, the same bf16 rounding (deterministic mode's answer is the same on
+    an AVX2 x86 and an Arm machine). Skipped at the AVX-512 levels (16 lanes, other orders)."""
+    from fornax.layers import isa
+    from fornax.layers.native import load_bf16_matmul, load_f32_matmul
+
+    case = DENSE_BY_NAME[name]
+    bf16 = case.x.dtype == torch.bfloat16
+    kernel = load_bf16_matmul() if bf16 else load_f32_matmul()
+    if kernel is None or isa.current().name not in X86_AVX2_DENSE[case.x.dtype]:
+        pytest.skip("the x86 library does not run the AVX2 dense tile here")
+    _, root = outputs
+    before = torch.get_num_threads()
+    torch.set_num_threads(case.threads)
+    try:
+        y86 = kernel(case.x, case.w.contiguous())
+    finally:
+        torch.set_num_threads(before)
+    assert not _differing_bits(_dense_output(root, case), y86).any()
+
+
+@pytest.mark.parametrize("name", DENSE_BAD_NAMES)
+def test_dense_refuses_bad_shapes(outputs, name):
+    """K not a multiple of 32 (bf16) / 16 (float32), as on x86, no rows, no weight rows: status 1,
+    nothing written."""
+    _, root = outputs
+    out = root / name
+    assert _read(out / "status.i32", torch.int32, (1,)).item() == 1
+    assert not list(out.glob("y.*"))
+
+
+@pytest.mark.parametrize("dtype", list(EXT), ids=list(EXT.values()))
+def test_dense_rows_are_batch_invariant(outputs, dtype):
+    """Each slice of the invariance call (rows alone, at other offsets of other batches, weight
+    rows alone or at other tile positions; 1 thread against 2) gives the whole call's bits for
+    its rows and columns, and the whole call is itself the AVX2 order's (_lane_order). The
+    inputs cancel (_inv_inputs), so an order that moved with the tile would show in bf16 too."""
+    _, root = outputs
+    t = EXT[dtype]
+    whole = _dense_output(root, DENSE_BY_NAME[f"dense-inv-{t}-all"])
+    assert not _differing_bits(whole, _lane_order(f"dense-inv-{t}-all")).any()
+    for i, (rs, cs) in enumerate(INV_SLICES):
+        part = _dense_output(root, DENSE_BY_NAME[f"dense-inv-{t}-{i}"])
+        assert not _differing_bits(part, whole[rs, cs]).any(), (rs, cs)

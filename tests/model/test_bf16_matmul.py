@@ -10,10 +10,13 @@ count.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fornax.layers.kernel_plan import DENSE_BF16_MAX_ROWS, ONE_FORM_ROWS, FormRequest, Kernels, plan_linear
 from fornax.layers.linear import DenseBf16, Linear
 from fornax.layers.native import load_bf16_matmul
 
@@ -66,18 +69,23 @@ def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
     gen = torch.Generator().manual_seed(0)
     lin.weight.data.copy_(torch.randn(40, 64, generator=gen))
     lin.bias.data.copy_(torch.randn(40, generator=gen))
-    lin.set_dense_small_step(max_rows=4)
-    assert (
+    plan = lin.configure(FormRequest(small_max_rows=4))  # up to DENSE_BF16_MAX_ROWS rows, or all
+    native_bf16_torch = Kernels.here("native").torch_bf16  # else torch's bf16 is emulated
+    assert lin.small_max_rows == (DENSE_BF16_MAX_ROWS if native_bf16_torch else ONE_FORM_ROWS) and (
         isinstance(lin.small, DenseBf16) and lin.small.weight.data_ptr() == lin.weight.data_ptr()
     )  # no copy
-    small, large = torch.randn(4, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    small, large = torch.randn(DENSE_BF16_MAX_ROWS, 64).bfloat16(), torch.randn(65, 64).bfloat16()
     torch.testing.assert_close(lin(small), KERNEL(small, lin.weight.data) + lin.bias, rtol=0, atol=0)
-    torch.testing.assert_close(lin(large), F.linear(large, lin.weight, lin.bias), rtol=0, atol=0)
+    if native_bf16_torch:
+        torch.testing.assert_close(lin(large), F.linear(large, lin.weight, lin.bias), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(lin(large), KERNEL(large, lin.weight.data) + lin.bias, rtol=0, atol=0)
+    assert plan.form_for(65) == ("bf16 (torch)" if native_bf16_torch else "bf16")
     fp32 = Linear(64, 40, bias=False, dtype=torch.float32)
-    fp32.set_dense_small_step(max_rows=4)
+    fp32.configure(FormRequest(small_max_rows=4))
     assert fp32.small is None  # float32 models keep torch's linear: HF parity is checked there
     torch_backend = Linear(64, 40, bias=False, dtype=torch.bfloat16)
-    torch_backend.set_dense_small_step(max_rows=4, backend="torch")
+    torch_backend.configure(FormRequest(small_max_rows=4), backend="torch")
     assert torch_backend.small is None
 
 
@@ -86,11 +94,13 @@ def test_mid_tier_between_a_quantized_form_and_torch():
 
     lin = Linear(64, 48, bias=False, dtype=torch.bfloat16)  # torch's int4 packing wants N % 16 == 0
     lin.weight.data.copy_(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
-    lin.set_small(Int4Grouped(lin.weight.data), max_rows=2)
-    lin.set_dense_small_step(max_rows=2)  # not past the quantized limit: no mid tier
-    assert lin.mid is None
-    lin.set_dense_small_step(max_rows=4)
-    assert isinstance(lin.mid, DenseBf16) and lin.mid_max_rows == 4
+    lin.configure(FormRequest(small_method="int4", small_max_rows=2), backend="torch")
+    assert isinstance(lin.small, Int4Grouped) and lin.mid is None  # no native kernel, no mid tier
+    # with the native bf16 kernel (only it: torch's int4 below), the mid tier up to its limit
+    plan = plan_linear(lin.shape(), Kernels(bf16=True), FormRequest("int4", 2))
+    assert plan.mid == "bf16" and plan.mid_max_rows == DENSE_BF16_MAX_ROWS
+    lin.build_forms(replace(plan, mid_max_rows=4))
+    assert isinstance(lin.small, Int4Grouped) and isinstance(lin.mid, DenseBf16) and lin.mid_max_rows == 4
     x = torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(lin(x[:2]), lin.small(x[:2]), rtol=0, atol=0)  # rows <= 2: int4
     torch.testing.assert_close(lin(x[:4]), KERNEL(x[:4], lin.weight.data), rtol=0, atol=0)  # 3-4: bf16 kernel

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fornax.layers.kernel_plan import FormRequest, LinearPlan
 from fornax.layers.linear import DenseBf16, Int8Rotated, Linear, hadamard_blocks
 from fornax.layers.native import load_int8_matmul
 
@@ -147,28 +148,35 @@ def test_rejects_what_it_cannot_read():
 
 
 def test_linear_tiers_by_row_count():
-    lin = Linear(96, 64, True, torch.bfloat16)
-    lin.weight.data.copy_((torch.randn(64, 96) * 0.1).bfloat16())
+    lin = Linear(128, 64, True, torch.bfloat16)
+    lin.weight.data.copy_((torch.randn(64, 128) * 0.1).bfloat16())
     lin.bias.data.copy_(torch.randn(64).bfloat16())
-    lin.set_small_step_method("int4", max_rows=2)
-    lin.set_dense_small_step(max_rows=64)  # mid tier: the native bf16 kernel, 3..64 rows
-    lin.set_large_step_int8(min_rows=8)
-    assert isinstance(lin.large, Int8Rotated)
-    x = torch.randn(20, 96).bfloat16()
+    # as the loader plans it: int4 up to 2 rows, int8 x int8 from 8, and no dense bf16 tier
+    # where int8 x int8 runs (it beats it at every row count), so rows 3..7 fall to torch
+    plan = lin.configure(FormRequest("int4", 2, "w8a8", 8))
+    assert isinstance(lin.large, Int8Rotated) and lin.mid is None and plan.keep_dense
+    assert [plan.form_for(r) for r in (1, 2, 3, 7, 8, 512)] == ["int4"] * 2 + ["bf16 (torch)"] * 2 + [
+        "int8 x int8"
+    ] * 2
+    x = torch.randn(20, 128).bfloat16()
     assert torch.equal(lin(x[:2]), lin.small(x[:2]) + lin.bias)
     assert torch.equal(lin(x[:8]), lin.large(x[:8]) + lin.bias)
     assert torch.equal(lin(x), lin.large(x) + lin.bias)
-    if lin.mid is not None:  # where the bf16 kernel runs: cut where the large tier starts
-        assert isinstance(lin.mid, DenseBf16) and lin.mid_max_rows == 7
-        assert torch.equal(lin(x[:7]), lin.mid(x[:7]) + lin.bias)
-    lin.set_large_step_int8(min_rows=1)  # from the first row past the small tier: no mid tier left
-    assert lin.mid is None and torch.equal(lin(x[:3]), lin.large(x[:3]) + lin.bias)
+    assert torch.equal(lin(x[:7]), F.linear(x[:7], lin.weight, lin.bias))
+    # Linear's order with all three tiers (the one-call step reads them the same way)
+    lin.build_forms(LinearPlan(small="int4", small_max_rows=2, mid="bf16", mid_max_rows=7, large="int8 x int8",
+                               large_min_rows=8))  # fmt: skip
+    assert isinstance(lin.mid, DenseBf16) and torch.equal(lin(x[:7]), lin.mid(x[:7]) + lin.bias)
+    assert torch.equal(lin(x[:8]), lin.large(x[:8]) + lin.bias)
+    plan = lin.configure(FormRequest("int4", 2, "w8a8", 1))  # from the first row past the small tier
+    assert not plan.keep_dense and lin.weight is None  # every row count has a form: no dense copy
+    assert torch.equal(lin(x[:3]), lin.large(x[:3]) + lin.bias)
 
 
 def test_float32_and_odd_widths_stay_dense():
     f32 = Linear(64, 32, False, torch.float32)
-    f32.set_large_step_int8(min_rows=1)
+    f32.configure(FormRequest(large_method="w8a8", large_min_rows=1))
     assert f32.large is None  # float32 models keep torch's linear (their HF parity is checked)
     odd = Linear(40, 8, False, torch.bfloat16)
-    odd.set_large_step_int8(min_rows=1)
+    odd.configure(FormRequest(large_method="w8a8", large_min_rows=1))
     assert odd.large is None  # width not a multiple of the 32-value rotation blocks

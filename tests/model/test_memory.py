@@ -82,7 +82,7 @@ def test_every_weight_form_held_is_used_by_some_step(make_run_llm):
 
     held = []
     for linear in linears:
-        assert linear.weight is None and not linear.needs_dense_weight()
+        assert linear.weight is None and not linear.plan.keep_dense and not linear.plan.reads_dense()
         for tier in ("small", "mid", "large"):
             form = getattr(linear, tier)
             if form is not None:

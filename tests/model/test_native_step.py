@@ -16,12 +16,13 @@ from __future__ import annotations
 import pytest
 
 from fornax import LLM, SamplingParams
-from fornax.layers.linear import DENSE_BF16_MAX_ROWS, DenseBf16, Int8Rotated, Linear
+from fornax.layers.kernel_plan import DENSE_BF16_MAX_ROWS, ONE_FORM_ROWS, Kernels
+from fornax.layers.linear import DenseBf16, Int8Rotated, Linear
 from fornax.layers.native import load_decode_step
 from fornax.models.native_step import UNBOUNDED_ROWS
 from tests.model.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.skipif(load_decode_step() is None, reason="no AVX-512 VNNI or no C compiler")
+pytestmark = pytest.mark.skipif(load_decode_step() is None, reason="no native kernels (no C compiler)")
 
 PROMPTS = [
     [5, 17, 99, 200, 31, 7],
@@ -30,6 +31,10 @@ PROMPTS = [
     [9, 8, 7, 9, 8, 7, 9, 8, 7, 9, 8],  # repetitive: n-gram drafts get proposed and verified
     list(range(300, 330)),  # with the others, a first step of 91 rows: past the integer kernels' 64
 ]
+
+# The dense bf16 tier's limit: DENSE_BF16_MAX_ROWS, or every row count where torch's bf16 linear
+# would be emulated (layers/kernel_plan.py)
+BF16_ROWS = DENSE_BF16_MAX_ROWS if Kernels.here("native").torch_bf16 else ONE_FORM_ROWS
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3", "mistral", "qwen2", "qwen3"])
@@ -85,13 +90,11 @@ def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, lar
         assert all(isinstance(m.large, Int8Rotated) and m.mid is None for m in linears)
         assert tiers == ([small_rows] if small_rows else []) + [UNBOUNDED_ROWS]
     elif quantization is None:  # dense bf16: the native bf16 form, to its own row limit
-        assert all(
-            isinstance(m.small, DenseBf16) and m.small_max_rows == DENSE_BF16_MAX_ROWS for m in linears
-        )
-        assert tiers == [DENSE_BF16_MAX_ROWS]
+        assert all(isinstance(m.small, DenseBf16) and m.small_max_rows == BF16_ROWS for m in linears)
+        assert tiers == [BF16_ROWS]
     elif dtype == "bfloat16":  # quantized up to small_rows, then the bf16 tier
-        assert all(isinstance(m.mid, DenseBf16) and m.mid_max_rows == DENSE_BF16_MAX_ROWS for m in linears)
-        assert tiers == [small_rows, DENSE_BF16_MAX_ROWS]
+        assert all(isinstance(m.mid, DenseBf16) and m.mid_max_rows == BF16_ROWS for m in linears)
+        assert tiers == [small_rows, BF16_ROWS]
     else:  # float32 weights: no bf16 tier
         assert all(m.mid is None for m in linears) and tiers == [small_rows]
     calls = _count_calls(fused)

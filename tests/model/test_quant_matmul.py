@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fornax.layers.kernel_plan import FormRequest
 from fornax.layers.linear import BlockInt4, BlockInt8, Int4Grouped, Linear
 from fornax.layers.native import load_quant_matmul
 
@@ -102,10 +103,10 @@ def test_weights_round_trip():
 def test_linear_picks_native_form_and_long_inputs_run_in_chunks():
     lin = Linear(128, 48, bias=False, dtype=torch.float32)
     torch.nn.init.normal_(lin.weight, std=0.05)
-    lin.set_small_step_method("int4", max_rows=1000)
+    lin.configure(FormRequest(small_method="int4", small_max_rows=1000))
     assert isinstance(lin.small, BlockInt4)
     x = torch.randn(KERNEL.MAX_ROWS * 2 + 3, 128)  # more rows than one kernel call takes
     torch.testing.assert_close(lin(x), _reference(lin.small, x), atol=2e-5, rtol=1e-5)
     torch_lin = Linear(128, 48, bias=False, dtype=torch.bfloat16)
-    torch_lin.set_small_step_method("int4", 24, backend="torch")
+    torch_lin.configure(FormRequest(small_method="int4", small_max_rows=24), backend="torch")
     assert isinstance(torch_lin.small, Int4Grouped)

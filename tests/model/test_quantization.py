@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fornax import LLM
+from fornax.layers.kernel_plan import FormRequest
 from fornax.layers.linear import BlockInt4, BlockInt8, Int4Grouped, Int8PerChannel, Linear
 from fornax.layers.native import load_quant_matmul
 from fornax.models import load_model
@@ -63,7 +64,7 @@ def test_linear_picks_the_small_form_by_row_count():
     w = _weight()
     lin = Linear(w.shape[1], w.shape[0], False, torch.bfloat16)
     lin.weight.data.copy_(w)
-    lin.set_small_step_method("int4", max_rows=4)
+    lin.configure(FormRequest("int4", 4), backend="torch")
     x = torch.randn(8, w.shape[1]).bfloat16()
     small = lin.small(x[:4])
     assert torch.equal(lin(x[:4]), small)  # 4 rows: the int4 kernel
@@ -181,8 +182,8 @@ def test_int8_kv_cache_perplexity_stays_close(default_gguf):
 
 def test_int4_lm_head_serves_one_and_two_row_steps(default_gguf):
     if load_quant_matmul() is None:
-        pytest.skip("no AVX-512 VNNI or no C compiler: no int4 LM head")
-    from fornax.models import LM_HEAD_INT4_MAX_ROWS
+        pytest.skip("no native integer kernels (no C compiler): no int4 LM head")
+    from fornax.layers.kernel_plan import LM_HEAD_INT4_MAX_ROWS
 
     llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", lm_head_quantization="int4",
               kv_cache_memory="32MiB", progress=False)  # fmt: skip

@@ -64,7 +64,7 @@ class ModelRunner:
         attention = "torch" if self.attention_kernel is None else kv
         head = getattr(model, "lm_head", None)
         decoder = [m for m in model.modules() if isinstance(m, Linear) and m is not head]
-        self.kernels = describe_kernels(decoder, attention)
+        self.kernels = describe_kernels([m.plan for m in decoder], attention)
         self.tensor_parallel = tensor_parallel  # rank 0's side of the group: the per-step broadcast
         self.sampler = Sampler()
         self.masks = MaskWorker(config.vocab_size)  # constrained decoding (engine/structured)

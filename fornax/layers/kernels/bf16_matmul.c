@@ -28,9 +28,17 @@
 /* Without AVX-512 BF16: the bf16 values widened to float32 and multiplied by FMA (dense_avx2.h). */
 #define BMM_AVAILABLE 0
 #define BMM_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* Arm: dense_avx2.h's tile in NEON (dense_neon.h), the same sums. */
+#define BMM_AVAILABLE 0
+#define BMM_AVX2 0
+#define BMM_NEON 1
 #else
 #define BMM_AVAILABLE 0
 #define BMM_AVX2 0
+#endif
+#ifndef BMM_NEON
+#define BMM_NEON 0
 #endif
 
 #define ROWS 4 /* weight rows per tile */
@@ -45,7 +53,7 @@
 #endif
 
 /* 1 where the kernel was compiled in; the Python side keeps torch's linear otherwise. */
-int bf16_matmul_available(void) { return BMM_AVAILABLE || BMM_AVX2; }
+int bf16_matmul_available(void) { return BMM_AVAILABLE || BMM_AVX2 || BMM_NEON; }
 
 #if BMM_AVAILABLE
 
@@ -130,6 +138,20 @@ DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, uint16_t, tile_avx2, PREFETCH_BYTES, 32)
 int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n,
                      uint16_t *y, int num_threads) {
     return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
+}
+
+#elif BMM_NEON
+
+#include "bf16.h"
+#include "dense_neon.h"
+
+#define STORE_BF16_ONE(p, i, f) ((p)[i] = f32_to_bf16(f))
+DEFINE_DENSE_TILE_NEON(tile_neon, uint16_t, dense_neon_load8_bf16, STORE_BF16_ONE)
+DEFINE_DENSE_MATMUL_NEON(matmul_neon, uint16_t, tile_neon, PREFETCH_BYTES, 32)
+
+int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n,
+                     uint16_t *y, int num_threads) {
+    return matmul_neon(x, x_stride, t_rows, k, w, n, y, num_threads);
 }
 
 #else

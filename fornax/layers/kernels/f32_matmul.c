@@ -43,8 +43,19 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, int k
 #define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
 DEFINE_DENSE_TILE_AVX2(tile_avx2, float, vload8_f32, STORE_F32_ONE)
 DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, float, tile_avx2, 0, 16)
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* Arm: dense_avx2.h's tile in NEON (dense_neon.h), the same sums as the AVX2 path. */
+#define F32_AVAILABLE 1
+#define F32_NEON 1
+#include "dense_neon.h"
+#define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
+DEFINE_DENSE_TILE_NEON(tile_neon, float, dense_neon_load8_f32, STORE_F32_ONE)
+DEFINE_DENSE_MATMUL_NEON(matmul_neon, float, tile_neon, 0, 16)
 #else
 #define F32_AVAILABLE 0
+#endif
+#ifndef F32_NEON
+#define F32_NEON 0
 #endif
 
 int f32_matmul_available(void) { return F32_AVAILABLE; }
@@ -52,7 +63,9 @@ int f32_matmul_available(void) { return F32_AVAILABLE; }
 /* x: [t_rows, k] float32 with row stride x_stride (elements); w: [n, k] float32; y: [t_rows, n]. */
 int f32_matmul_f32(const float *x, long x_stride, int t_rows, int k, const float *w, int n, float *y,
                    int num_threads) {
-#if F32_AVAILABLE && !HAVE_VEC512
+#if F32_NEON
+    return matmul_neon(x, x_stride, t_rows, k, w, n, y, num_threads);
+#elif F32_AVAILABLE && !HAVE_VEC512
     return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
 #elif F32_AVAILABLE
     if (k % 16 || t_rows < 1 || n < 1) return 1;
