@@ -1,5 +1,5 @@
 """The Arm NEON integer matmuls (kernels/quant_matmul_neon.h, kernels/int8_matmul_neon.h),
-dense bf16 / float32 matmuls (kernels/bf16_matmul.c, f32_matmul.c on dense_neon.h), fused
+dense bf16 / float32 matmuls (kernels/bf16_matmul.c, f32_matmul.c on dense_vec.h: dense_neon.h here), fused
 elementwise ops (kernels/fused_ops.c on vec128.h) and paged attention
 (kernels/paged_attention.c on vec128.h), cross-compiled for AArch64 and run under qemu-user,
 against the definitions the x86 tests use.

@@ -23,22 +23,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define BMM_AVAILABLE 1
-#define BMM_AVX2 0
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* Without AVX-512 BF16: the bf16 values widened to float32 and multiplied by FMA (dense_avx2.h). */
-#define BMM_AVAILABLE 0
-#define BMM_AVX2 1
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-/* Arm: dense_avx2.h's tile in NEON (dense_neon.h), the same sums. */
-#define BMM_AVAILABLE 0
-#define BMM_AVX2 0
-#define BMM_NEON 1
+#define BMM_VEC 0
 #else
+/* Without AVX-512 BF16: the bf16 values widened to float32 and multiplied by FMA, in AVX2's 8
+ * lanes or NEON's two halves of them (dense_vec.h); BMM_VEC is 0 where neither compiles. */
+#include "dense_vec.h"
 #define BMM_AVAILABLE 0
-#define BMM_AVX2 0
-#endif
-#ifndef BMM_NEON
-#define BMM_NEON 0
+#define BMM_VEC DENSE_VEC_AVAILABLE
 #endif
 
 #define ROWS 4 /* weight rows per tile */
@@ -53,7 +44,7 @@
 #endif
 
 /* 1 where the kernel was compiled in; the Python side keeps torch's linear otherwise. */
-int bf16_matmul_available(void) { return BMM_AVAILABLE || BMM_AVX2 || BMM_NEON; }
+int bf16_matmul_available(void) { return BMM_AVAILABLE || BMM_VEC; }
 
 #if BMM_AVAILABLE
 
@@ -126,32 +117,17 @@ int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const 
     return 0;
 }
 
-#elif BMM_AVX2
+#elif BMM_VEC
 
 #include "bf16.h"
-#include "dense_avx2.h"
 
 #define STORE_BF16_ONE(p, i, f) ((p)[i] = f32_to_bf16(f))
-DEFINE_DENSE_TILE_AVX2(tile_avx2, uint16_t, vload8_bf16, STORE_BF16_ONE)
-DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, uint16_t, tile_avx2, PREFETCH_BYTES, 32)
+DEFINE_DENSE_TILE(tile_vec, uint16_t, DENSE_LOAD8_BF16, STORE_BF16_ONE)
+DEFINE_DENSE_MATMUL(matmul_vec, uint16_t, tile_vec, PREFETCH_BYTES, 32)
 
 int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n,
                      uint16_t *y, int num_threads) {
-    return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
-}
-
-#elif BMM_NEON
-
-#include "bf16.h"
-#include "dense_neon.h"
-
-#define STORE_BF16_ONE(p, i, f) ((p)[i] = f32_to_bf16(f))
-DEFINE_DENSE_TILE_NEON(tile_neon, uint16_t, dense_neon_load8_bf16, STORE_BF16_ONE)
-DEFINE_DENSE_MATMUL_NEON(matmul_neon, uint16_t, tile_neon, PREFETCH_BYTES, 32)
-
-int bf16_matmul_bf16(const uint16_t *x, long x_stride, int t_rows, int k, const uint16_t *w, int n,
-                     uint16_t *y, int num_threads) {
-    return matmul_neon(x, x_stride, t_rows, k, w, n, y, num_threads);
+    return matmul_vec(x, x_stride, t_rows, k, w, n, y, num_threads);
 }
 
 #else

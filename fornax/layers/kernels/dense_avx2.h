@@ -43,24 +43,4 @@
             for (int r = 0; r < live; r++) STORE_ONE(y + j * n, r, hsum256(acc[r][j]));            \
     }
 
-/* The call over all tiles: NAME(x, x_stride, t_rows, k, w, n, y, num_threads) -> 0, or 1 for a bad
- * shape (K not a multiple of K_MULTIPLE, the AVX-512 kernel's contract for the same dtype). */
-#define DEFINE_DENSE_MATMUL_AVX2(NAME, T, TILE, PREFETCH, K_MULTIPLE)                                           \
-    static int NAME(const T *x, long x_stride, int t_rows, int k, const T *w, int n, T *y, int num_threads) { \
-        if (k % (K_MULTIPLE) || t_rows < 1 || n < 1) return 1;                                      \
-        const int tiles = (n + DENSE_AVX2_ROWS - 1) / DENSE_AVX2_ROWS;                             \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                     \
-        for (int b = 0; b < tiles; b++) {                                                          \
-            const int o0 = b * DENSE_AVX2_ROWS, live = n - o0 < DENSE_AVX2_ROWS ? n - o0 : DENSE_AVX2_ROWS; \
-            for (int t0 = 0; t0 < t_rows; t0 += DENSE_AVX2_COLS) {                                 \
-                const T *wt = w + (long)o0 * k, *xt = x + t0 * x_stride;                           \
-                T *yt = y + (long)t0 * n + o0;                                                     \
-                const int pf = t0 == 0 ? (PREFETCH) : 0; /* later passes find the tile in cache */ \
-                if (t_rows - t0 >= 2) TILE(wt, k, xt, x_stride, 2, live, pf, yt, n);               \
-                else TILE(wt, k, xt, x_stride, 1, live, pf, yt, n);                                \
-            }                                                                                      \
-        }                                                                                          \
-        return 0;                                                                                  \
-    }
-
 #endif

@@ -45,7 +45,7 @@ static inline float32x4x2_t dense_neon_load8_bf16(const uint16_t *p) {
 /* NAME(w, k, x, x_stride, NT, live, prefetch_bytes, y, n): y[j * n + r] = weight row r . x row j
  * for r < live, j < NT; T the element type, LOAD8 its 8-value load (dense_neon_load8_*),
  * STORE_ONE(y, i, f) stores one output. NT is a constant at each call site (the dispatch in
- * DEFINE_DENSE_MATMUL_NEON), so the accumulators stay in registers. */
+ * dense_vec.h's DEFINE_DENSE_MATMUL), so the accumulators stay in registers. */
 #define DEFINE_DENSE_TILE_NEON(NAME, T, LOAD8, STORE_ONE)                                                   \
     static inline __attribute__((always_inline)) void NAME(                                                 \
         const T *w, int k, const T *x, long x_stride, const int NT, int live, int prefetch_bytes,           \
@@ -76,28 +76,6 @@ static inline float32x4x2_t dense_neon_load8_bf16(const uint16_t *p) {
         for (int j = 0; j < NT; j++)                                                                        \
             for (int r = 0; r < DENSE_NEON_ROWS; r++)                                                       \
                 if (r < live) STORE_ONE(y + j * n, r, hsum128(vaddq_f32(lo[r][j], hi[r][j])));              \
-    }
-
-/* The call over all tiles: NAME(x, x_stride, t_rows, k, w, n, y, num_threads) -> 0, or 1 for a bad
- * shape (K not a multiple of K_MULTIPLE, the other paths' contract for the same dtype, so a shape
- * one CPU takes every CPU takes). */
-#define DEFINE_DENSE_MATMUL_NEON(NAME, T, TILE, PREFETCH, K_MULTIPLE)                                       \
-    static int NAME(const T *x, long x_stride, int t_rows, int k, const T *w, int n, T *y, int num_threads) { \
-        if (k % (K_MULTIPLE) || t_rows < 1 || n < 1) return 1;                                              \
-        const int tiles = (n + DENSE_NEON_ROWS - 1) / DENSE_NEON_ROWS;                                      \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                               \
-        for (int b = 0; b < tiles; b++) {                                                                   \
-            const int o0 = b * DENSE_NEON_ROWS;                                                             \
-            const int live = n - o0 < DENSE_NEON_ROWS ? n - o0 : DENSE_NEON_ROWS;                           \
-            for (int t0 = 0; t0 < t_rows; t0 += DENSE_NEON_COLS) {                                          \
-                const T *wt = w + (long)o0 * k, *xt = x + t0 * x_stride;                                    \
-                T *yt = y + (long)t0 * n + o0;                                                              \
-                const int pf = t0 == 0 ? (PREFETCH) : 0; /* later passes find the tile in cache */          \
-                if (t_rows - t0 >= 2) TILE(wt, k, xt, x_stride, 2, live, pf, yt, n);                        \
-                else TILE(wt, k, xt, x_stride, 1, live, pf, yt, n);                                         \
-            }                                                                                               \
-        }                                                                                                   \
-        return 0;                                                                                           \
     }
 
 #endif

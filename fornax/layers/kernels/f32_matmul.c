@@ -37,25 +37,15 @@ static inline __attribute__((always_inline)) void tile_f32(const float *w, int k
     _mm512_storeu_ps(out, reduce16(v)); /* lane j * 4 + r */
     for (int j = 0; j < NT; j++) memcpy(y + j * n, out + j * ROWS, sizeof(float) * live);
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define F32_AVAILABLE 1
-#include "dense_avx2.h"
-#define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
-DEFINE_DENSE_TILE_AVX2(tile_avx2, float, vload8_f32, STORE_F32_ONE)
-DEFINE_DENSE_MATMUL_AVX2(matmul_avx2, float, tile_avx2, 0, 16)
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-/* Arm: dense_avx2.h's tile in NEON (dense_neon.h), the same sums as the AVX2 path. */
-#define F32_AVAILABLE 1
-#define F32_NEON 1
-#include "dense_neon.h"
-#define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
-DEFINE_DENSE_TILE_NEON(tile_neon, float, dense_neon_load8_f32, STORE_F32_ONE)
-DEFINE_DENSE_MATMUL_NEON(matmul_neon, float, tile_neon, 0, 16)
 #else
-#define F32_AVAILABLE 0
+/* Without AVX-512: AVX2's 8-lane tile, or NEON's two halves of it, the same sums (dense_vec.h). */
+#include "dense_vec.h"
+#define F32_AVAILABLE DENSE_VEC_AVAILABLE
+#if DENSE_VEC_AVAILABLE
+#define STORE_F32_ONE(p, i, f) ((p)[i] = (f))
+DEFINE_DENSE_TILE(tile_vec, float, DENSE_LOAD8_F32, STORE_F32_ONE)
+DEFINE_DENSE_MATMUL(matmul_vec, float, tile_vec, 0, 16)
 #endif
-#ifndef F32_NEON
-#define F32_NEON 0
 #endif
 
 int f32_matmul_available(void) { return F32_AVAILABLE; }
@@ -63,10 +53,8 @@ int f32_matmul_available(void) { return F32_AVAILABLE; }
 /* x: [t_rows, k] float32 with row stride x_stride (elements); w: [n, k] float32; y: [t_rows, n]. */
 int f32_matmul_f32(const float *x, long x_stride, int t_rows, int k, const float *w, int n, float *y,
                    int num_threads) {
-#if F32_NEON
-    return matmul_neon(x, x_stride, t_rows, k, w, n, y, num_threads);
-#elif F32_AVAILABLE && !HAVE_VEC512
-    return matmul_avx2(x, x_stride, t_rows, k, w, n, y, num_threads);
+#if F32_AVAILABLE && !HAVE_VEC512
+    return matmul_vec(x, x_stride, t_rows, k, w, n, y, num_threads);
 #elif F32_AVAILABLE
     if (k % 16 || t_rows < 1 || n < 1) return 1;
     const int tiles = (n + ROWS - 1) / ROWS;
