@@ -113,8 +113,12 @@ class TensorParallelGroup:
 
     def share_sizes(self, num_blocks: int, host_slots: int) -> None:
         """Rank 0 sized the KV cache and the host tier (0: none); every rank allocates that many
-        blocks and slots for its own heads, so one block table and one slot plan serve all."""
-        self.group.broadcast(torch.tensor([num_blocks, host_slots], dtype=torch.int64), 0).wait()
+        blocks and slots for its own heads, so one block table and one slot plan serve all. Sent
+        on the group the workers wait on without a timeout, as a header is: a worker that loaded
+        its slice first waits here for however long rank 0's start-up takes (its load, the KV
+        sizing, a kernel build), which the step timeout does not bound; the send itself is."""
+        sizes = torch.tensor([num_blocks, host_slots], dtype=torch.int64)
+        self.waiting.broadcast(sizes, 0).wait(self.timeout)
 
     def send_transfers(self, plan: TransferPlan) -> None:
         """A step's host-tier copies (engine/kv/offload), which every rank makes on its own heads'
@@ -220,7 +224,9 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
         loaded = load_engine_model(
             config, progress=False, shard=gloo_shard(group, rank, exact=config.deterministic)
         )
-        group.broadcast(sizes, 0).wait()  # rank 0 sizes the cache and host tier; every rank holds as many
+        # rank 0 sizes the cache and host tier, every rank holds as many; on `waiting`, since rank
+        # 0's start-up may outlast the step timeout (share_sizes)
+        waiting.broadcast(sizes, 0).wait()
         num_blocks, host_slots = (int(x) for x in sizes)
         local = loaded.local_config or loaded.config
         cache = config.cache

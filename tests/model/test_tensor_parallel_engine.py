@@ -106,6 +106,25 @@ def test_an_idle_engine_keeps_its_workers(default_gguf):
     assert worker.is_alive()
 
 
+def test_a_start_up_longer_than_the_collective_timeout_keeps_its_workers(default_gguf, monkeypatch):
+    """The worker that loaded its slice first waits for rank 0's KV sizing however long rank 0's
+    start-up takes (a kernel build, a slow disk): the collective timeout bounds steps, not that."""
+    share_sizes = TensorParallelGroup.share_sizes
+
+    def slow_share_sizes(self, num_blocks: int, host_slots: int) -> None:
+        time.sleep(4)
+        share_sizes(self, num_blocks, host_slots)
+
+    monkeypatch.setattr(TensorParallelGroup, "share_sizes", slow_share_sizes)
+    llm = LLM(
+        str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=2
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert len(llm.generate(["Hello"], params)[0].outputs[0].token_ids) == 4
+    (worker,) = llm.engine.runner.tensor_parallel.workers
+    assert worker.is_alive()
+
+
 def test_a_stuck_worker_fails_the_engine_within_the_timeout(default_gguf):
     """A worker alive but not answering (stopped): the next step's header is not taken, and
     rank 0 gives up after --distributed-timeout instead of waiting as the workers may."""
