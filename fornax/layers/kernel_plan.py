@@ -43,6 +43,12 @@ NATIVE_INTEGER_FORMS = frozenset({INT4, INT8})
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float16: "f16"}
 
+
+def dense_form_name(dtype: torch.dtype) -> str:
+    """The summary's name for torch's linear on a dense weight of `dtype`."""
+    return f"{DTYPE_NAMES.get(dtype, '?')} (torch)"
+
+
 # DenseBf16 serves steps of up to this many rows (or small_max_rows, if larger), in dense
 # models and, past the quantized forms' limit, in quantized ones: with the one-call step it
 # was ahead of oneDNN at every batch measured up to 64 rows (measured: docs/kernels.md).
@@ -230,7 +236,7 @@ def plan_linear(shape: LinearShape, kernels: Kernels, request: FormRequest) -> L
         elif small is None and bf16:
             small, small_rows = BF16, ONE_FORM_ROWS
         else:
-            form = small or f"{DTYPE_NAMES.get(dt, dt)} (torch)"
+            form = small or dense_form_name(dt)
             raise NoBatchInvariantForm(
                 f"no batch-invariant form runs here for a {form} layer (it needs fornax's native "
                 "kernels: a C compiler and AVX2, AVX-512 or NEON)"
@@ -245,7 +251,7 @@ def plan_linear(shape: LinearShape, kernels: Kernels, request: FormRequest) -> L
         large=large,
         large_min_rows=large_rows,
         small_from_file=from_file,
-        dense_name=f"{DTYPE_NAMES.get(dt, '?')} (torch)",
+        dense_name=dense_form_name(dt),
         notes=tuple(notes),
     )
     if request.keep_dense or plan.reads_dense():

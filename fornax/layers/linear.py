@@ -378,7 +378,7 @@ class Linear(nn.Module):
         self.large: Int8Rotated | None = None
         self.large_min_rows = 0
         # What build_forms built, as plan_linear chose it; until then the dense weight alone.
-        self.plan = LinearPlan(dense_name=f"{kp.DTYPE_NAMES.get(dtype, '?')} (torch)")
+        self.plan = LinearPlan(dense_name=kp.dense_form_name(dtype))
 
     def shape(self, **file: object) -> kp.LinearShape:
         """This Linear as plan_linear sees it; `file`: LinearShape's fields on the file's tensors."""
