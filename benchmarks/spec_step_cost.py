@@ -2,7 +2,7 @@
 
 Speculative decoding pays only while the extra verified rows cost less than the tokens they
 bring. On a CPU they are real matmul work, so this measures the cost the draft budget
-(fornax/spec_decode/controller.py) has to assume, in one run:
+(fornax/engine/spec_decode/controller.py) has to assume, in one run:
 
   plain:   decode steps of B requests, no speculation (B = --batches), rows = B;
   verify:  the same engine kind with n-gram drafts always taken (row_cost 0, no batch

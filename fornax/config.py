@@ -301,7 +301,7 @@ class SpeculativeConfig:
     # optionally with weight-only quantized linears (`quantization`: "int8" | "int4").
     draft_layers: int | None = None
     quantization: str | None = None
-    # The draft budget (spec_decode/controller.py; the measurements behind each default are
+    # The draft budget (engine/spec_decode/controller.py; the measurements behind each default are
     # in docs/speculative-decoding.md). No request speculates in a step with more than
     # `disable_by_batch_size` running requests (0: no limit; None: by the target's weights,
     # 4 with quantized small steps, whose extra rows are compute-bound, 2 for dense ones,

@@ -26,12 +26,12 @@ from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
+from fornax.engine.spec_decode.controller import SpecController
 from fornax.engine.stats import EngineStats, SequenceView
 from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
 from fornax.layers.memory import malloc_stats, release_free_heap
 from fornax.models import DTYPES, LoadedModel
-from fornax.spec_decode.controller import SpecController
 from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -433,7 +433,7 @@ def _build_spec(
 ) -> SpecController | None:
     if config.speculative is None:
         return None
-    from fornax.spec_decode import TargetInfo
+    from fornax.engine.spec_decode import TargetInfo
 
     assert config.small_step_max_rows is not None  # resolved as EngineConfig is built
     dtype, block_size, rows = DTYPES[config.dtype], config.cache.block_size, config.small_step_max_rows

@@ -202,7 +202,7 @@ class RequestTimes:
 class SpecStats:
     """Speculative decoding per request, as its outputs report it: what was verified and
     accepted (the scheduler counts). What the draft budget learns per request is the
-    controller's own (spec_decode/controller.py)."""
+    controller's own (engine/spec_decode/controller.py)."""
 
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # drafts accepted

@@ -32,13 +32,13 @@ from fornax.config import ConfigError, EngineConfig
 from fornax.engine.kv.offload.build import host_block_layout
 from fornax.engine.kv.offload.connector import TransferPlan
 from fornax.engine.kv.offload.host_pool import HostPool
+from fornax.engine.spec_decode.self_draft import make_self_draft
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model, read_model_config
 from fornax.models.llama import KVCache
 from fornax.models.tensor_parallel import connect_gloo_groups, gloo_shard, plan_shards
-from fornax.spec_decode.self_draft import make_self_draft
 
 logger = logging.getLogger("fornax.engine")
 
@@ -138,7 +138,7 @@ class TensorParallelGroup:
         self.waiting.broadcast(torch.tensor(header, dtype=torch.int64), 0).wait(self.timeout)
 
     def send_draft_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]) -> None:
-        """As send_step, for a self-draft's forward (spec_decode/self_draft.py): its layers are
+        """As send_step, for a self-draft's forward (engine/spec_decode/self_draft.py): its layers are
         the first of every rank's slice, and its KV pools each rank's own."""
         self.send_step(input_ids, positions, spans, DRAFT_STEP)
 

@@ -453,7 +453,7 @@ class Linear(nn.Module):
 
     def set_small(self, form: LinearMethod, max_rows: int) -> None:
         """A small-step form made elsewhere (a self-draft's own quantization of shared weights,
-        spec_decode/self_draft.py); the plan stays the target's."""
+        engine/spec_decode/self_draft.py); the plan stays the target's."""
         self.small, self.small_max_rows = form, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard 
         lm_head_int4=config.lm_head_quantization == "int4",
         deterministic=config.deterministic,
         shard=shard,
-        # a quantized self-draft derives its forms from the dense weights (spec_decode/self_draft.py)
+        # a quantized self-draft derives its forms from the dense weights (engine/spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )
 

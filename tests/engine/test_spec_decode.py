@@ -220,7 +220,7 @@ def test_draft_budget_follows_the_targets_weights(models):
     """Quantized small steps: the row limit and the quantized row cost; dense steps (also
     "auto" on a model whose file has no quantized tensors): no limit, the dense row cost."""
     from fornax.config import SMALL_STEP_MAX_ROWS
-    from fornax.spec_decode.controller import DENSE_ROW_COST, QUANTIZED_ROW_COST
+    from fornax.engine.spec_decode.controller import DENSE_ROW_COST, QUANTIZED_ROW_COST
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     quantized = LLM(

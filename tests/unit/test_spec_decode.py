@@ -16,8 +16,8 @@ from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from fornax.engine.request import Request, SamplingParams, SamplingParamsError
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.scheduler import Scheduler
-from fornax.spec_decode.controller import SINGLE_KIND, SpecController, TargetSteps
-from fornax.spec_decode.ngram import NgramProposer, lookup
+from fornax.engine.spec_decode.controller import SINGLE_KIND, SpecController, TargetSteps
+from fornax.engine.spec_decode.ngram import NgramProposer, lookup
 from tests.unit.test_scheduler import FakeRunner, make, req
 
 # -- config --
@@ -101,7 +101,7 @@ def _lookup_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tupl
 def test_ngram_lookup_matches_its_definition_on_random_sequences():
     import random
 
-    from fornax.spec_decode.ngram import lookup_with_length
+    from fornax.engine.spec_decode.ngram import lookup_with_length
 
     rng = random.Random(0)
     matched = 0
@@ -332,7 +332,7 @@ def test_ngram_drafts_are_budgeted_by_the_kind_of_match():
 
 
 def test_acceptance_by_kind_learns_and_forgets():
-    from fornax.spec_decode.controller import AcceptanceByKind
+    from fornax.engine.spec_decode.controller import AcceptanceByKind
 
     kinds = AcceptanceByKind(decay=0.9)
     assert kinds.rate(3) == 0.5
@@ -368,7 +368,7 @@ def test_no_speculation_in_large_batches():
 
 
 def test_budget_on_measured_step_costs_sees_the_staircase():
-    from fornax.spec_decode.controller import plan_by_step_costs
+    from fornax.engine.spec_decode.controller import plan_by_step_costs
 
     # The dense bf16 kernel: one to four rows for nearly the price of one, then a step up.
     stairs = {1: 10.0, 2: 10.3, 3: 10.6, 4: 11.0, 5: 15.5, 6: 16.0, 7: 16.5, 8: 22.0}
@@ -409,7 +409,7 @@ def test_controller_plans_on_the_steps_it_timed():
 
 
 def test_step_costs_trust_three_samples_take_the_median_and_forget_old_counts():
-    from fornax.spec_decode.controller import StepCosts
+    from fornax.engine.spec_decode.controller import StepCosts
 
     costs = StepCosts()
     costs.observe(5, 0.010)
@@ -425,7 +425,7 @@ def test_step_costs_trust_three_samples_take_the_median_and_forget_old_counts():
 
 
 def test_a_requests_own_record_of_a_kind_outweighs_the_global_rate():
-    from fornax.spec_decode.controller import AcceptanceByKind
+    from fornax.engine.spec_decode.controller import AcceptanceByKind
 
     kinds = AcceptanceByKind()
     kinds.counts[4] = [80.0, 10.0]  # long matches are usually right...

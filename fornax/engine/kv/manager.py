@@ -11,8 +11,25 @@ scheduler calls it on finish, abort and preemption alike.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from fornax.engine.kv.block_pool import BlockHash, BlockPool, hash_block_tokens, salted_root
 from fornax.engine.request import Request
+
+
+class SlotHolder(Protocol):
+    """What allocating, trimming and freeing slots read of a sequence. A `Request` is one; so
+    is a draft model's view of a request (engine/spec_decode/draft_model.py), which keeps its
+    own blocks in its own manager, without prefix caching (only hashing needs the tokens)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -98,7 +115,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: SlotHolder,
         num_new_tokens: int,
         new_computed_blocks: list[int] | None = None,
         num_new_computed_tokens: int = 0,
@@ -174,7 +191,7 @@ class KVCacheManager:
         self.pool.evicted = []
         return evicted
 
-    def trim(self, request: Request, num_tokens: int) -> int:
+    def trim(self, request: SlotHolder, num_tokens: int) -> int:
         """Release the blocks past the first cdiv(num_tokens, block_size); returns how many.
 
         Rejected draft tokens leave blocks beyond the request's computed tokens: those go back
@@ -191,7 +208,7 @@ class KVCacheManager:
         self.pool.free_blocks(self.pool.blocks[i] for i in reversed(dropped))
         return len(dropped)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: SlotHolder) -> None:
         """Release every block of the request (finish, abort, preempt); a no-op if it has none.
 
         Blocks go back in reverse, so the request's tail blocks are evicted before its

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from fornax.config import SpeculativeConfig
 from fornax.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from fornax.engine.request import Request, RequestStatus
-from fornax.spec_decode import KindedProposer, Proposer, TargetInfo, build_proposer
+from fornax.engine.spec_decode import KindedProposer, Proposer, TargetInfo, build_proposer
 
 # One more verified row, relative to a decode step's fixed cost: the fitted line's slope.
 # Dense (and int8 x int8) steps read the weights once for every row; quantized small steps

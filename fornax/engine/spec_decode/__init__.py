@@ -84,6 +84,6 @@ def register_proposer(method: str) -> Callable[[ProposerFactory], ProposerFactor
 
 def build_proposer(config: SpeculativeConfig, target: TargetInfo) -> Proposer:
     # Importing the implementations fills the registry.
-    from fornax.spec_decode import draft_model, ngram, self_draft  # noqa: F401
+    from fornax.engine.spec_decode import draft_model, ngram, self_draft  # noqa: F401
 
     return PROPOSERS[config.method](config, target)

@@ -13,7 +13,7 @@ import numpy as np
 
 from fornax.config import SpeculativeConfig
 from fornax.engine.request import Request
-from fornax.spec_decode import TargetInfo, register_proposer
+from fornax.engine.spec_decode import TargetInfo, register_proposer
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

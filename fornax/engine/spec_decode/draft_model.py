@@ -20,11 +20,11 @@ import torch
 from fornax.config import ConfigError, ModelConfig, SpeculativeConfig
 from fornax.engine.kv.manager import KVCacheManager
 from fornax.engine.request import Request
+from fornax.engine.spec_decode import TargetInfo, register_proposer
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import PagedAttentionKernel
 from fornax.layers.ops import layer_ops
 from fornax.models.llama import KVCache, LlamaForCausalLM
-from fornax.spec_decode import TargetInfo, register_proposer
 
 # A prompt token in a prefill chunk costs ~1/40 of a one-token decode step: a chunk's rows
 # share one read of the weights (benchmarks/spec_decode.py; docs/speculative-decoding.md).
@@ -33,7 +33,7 @@ PREFILL_TOKEN_COST = 0.025
 
 @dataclass
 class _DraftSeq:
-    """The draft's view of one request: what KVCacheManager.allocate_slots reads."""
+    """The draft's view of one request: a kv.manager.SlotHolder."""
 
     request_id: str
     num_computed_tokens: int = 0  # real tokens of the request whose K/V the draft holds
@@ -73,7 +73,7 @@ class DraftModelProposer:
         for rid in request_ids:
             seq = self.seqs.pop(rid, None)
             if seq is not None:
-                self.kv.free(seq)  # type: ignore[arg-type]  # duck-types the Request fields it reads
+                self.kv.free(seq)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
@@ -120,7 +120,7 @@ class DraftModelProposer:
         seq.num_computed_tokens = min(seq.num_computed_tokens, request.num_tokens - 1)
         seq.num_tokens = request.num_tokens
         num_new = request.num_tokens - seq.num_computed_tokens
-        block_ids = self.kv.allocate_slots(seq, num_new + k - 1)  # type: ignore[arg-type]
+        block_ids = self.kv.allocate_slots(seq, num_new + k - 1)
         if block_ids is None:
             return None  # the draft's cache is full: no guesses for this request this step
         return SeqSpan(seq.num_computed_tokens, num_new, block_ids)

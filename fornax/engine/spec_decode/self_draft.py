@@ -20,10 +20,10 @@ from dataclasses import replace
 from torch import nn
 
 from fornax.config import ConfigError, SpeculativeConfig
+from fornax.engine.spec_decode import TargetInfo, register_proposer
+from fornax.engine.spec_decode.draft_model import DraftModelProposer, target_kernel
 from fornax.layers.linear import SMALL_STEP_METHODS, Linear
 from fornax.models.llama import LlamaForCausalLM
-from fornax.spec_decode import TargetInfo, register_proposer
-from fornax.spec_decode.draft_model import DraftModelProposer, target_kernel
 
 # A one-row step with quantized weights, relative to the dense bf16 one, as measured with
 # benchmarks/spec_decode.py (docs/speculative-decoding.md).
