@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from fornax.chat_template import ChatTemplateError, flatten_messages, render_chat_template
-from fornax.models.gguf_file import GGUFFile
+from fornax.gguf_file import GGUFFile
 
 __all__ = ["ChatTemplateError", "SpecialTokens", "Tokenizer", "read_gguf_fields", "render_chat_template"]
 

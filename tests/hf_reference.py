@@ -5,7 +5,7 @@ transformers parses the whole file with `gguf.GGUFReader` for the config and aga
 tokenizer or the weights; each parse reads the vocabulary one field part at a time (~2 s for
 the default model's 49k entries, ~8 s and ~0.7 GiB held for Gemma 3's 262k). Inside
 `one_gguf_parse()` one parse serves every load, and it is dropped at the end. fornax itself
-never uses GGUFReader (fornax/models/gguf_file.py says why), so this touches only the
+never uses GGUFReader (fornax/gguf_file.py says why), so this touches only the
 reference side.
 """
 

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES
 from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
-from fornax.models.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from fornax.models.tensor_parallel import Cut, take_cut
 
 # Given a model's config, the part of each tensor to read (models/tensor_parallel.py shard_cuts).

@@ -50,7 +50,7 @@ class PerplexityResult:
 
 def perplexity(llm, text: str, window: int = 512, max_windows: int | None = None) -> PerplexityResult:  # type: ignore[no-untyped-def]
     """Perplexity of `llm` (a fornax.LLM) on `text`, in non-overlapping windows of `window` tokens."""
-    from fornax import SamplingParams
+    from fornax.engine.request import SamplingParams
 
     ids = llm.get_tokenizer().encode(text)
     windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]

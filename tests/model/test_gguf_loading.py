@@ -143,7 +143,7 @@ def test_k_quants_dequantize_like_gguf(tmp_path, qtype):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from fornax.models.gguf_file import GGUFFile
+    from fornax.gguf_file import GGUFFile
 
     (tensor,) = GGUFFile(path).tensors
     assert tensor.shape == (8, 512) and tensor.qtype == qtype
