@@ -1,4 +1,4 @@
-"""`fornax pull | generate | chat | serve | bench serve | router`.
+"""`fornax pull | generate | chat | memory | serve | worker | bench serve | router | cluster up`.
 
 Errors a user can cause (a bad path, an unknown alias, a broken file, a bad parameter)
 print one line to stderr and exit 1, never a traceback.
@@ -13,8 +13,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from fornax.config import DEFAULT_MODEL, ConfigError, ServedModelConfig, ServerConfig
-from fornax.engine_args import ENGINE, MODEL, SPECULATIVE, TIERS, EngineArgs
+from fornax.config import DEFAULT_MODEL, ConfigError, ServedModelConfig
+from fornax.engine_args import EngineArgs
+from fornax.server_args import ServerArgs, add_serve_args, serve_models, served_names
 
 # The engine flags of generate and chat, less --seed: there it is the request's (sampling) seed.
 _SAMPLING_COMMAND_EXCLUDES = ("seed",)
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, required=True, help="this process's rank, 1 .. size - 1")
     EngineArgs.add_cli_args(worker, "worker")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_serve_args(serve)
+    add_serve_args(serve)
     from fornax.cluster.cli import add_cluster_parser, add_replicas_arg
 
     add_replicas_arg(serve)
@@ -64,119 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     return parser
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    defaults = ServerConfig()
-    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    # The model's flags first and the engine's groups after the server's own, as the help has
-    # always read (and in that order `cluster up` passes them on to its replicas).
-    EngineArgs.add_cli_args(p, "serve", groups=(MODEL,))
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument(
-        "--served-model-name",
-        action="append",
-        default=None,
-        help="name(s) clients use for the model (repeatable; default: the model argument); "
-        "with several models, one per model, in their order",
-    )
-    p.add_argument(
-        "--max-loaded-models",
-        type=int,
-        default=None,
-        metavar="K",
-        help="load models on first request and keep at most K, unloading the least recently "
-        "used idle one (default: all loaded at start-up)",
-    )
-    p.add_argument(
-        "--model-load-timeout",
-        type=float,
-        default=defaults.model_load_timeout_s,
-        help="seconds a request waits for its model to load",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="a user's key, optionally name:key (repeatable); users see only their own requests",
-    )
-    p.add_argument("--api-key-file", default=None, help="file with one user key (or name:key) per line")
-    _add_tenancy_args(p)
-    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=defaults.access_log)
-    p.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=defaults.shutdown_timeout_s,
-        help="seconds in-flight requests get to finish on SIGTERM",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        choices=["auto", "hermes", "llama3_json"],
-        help="how tool calls are read from output under tool_choice=auto (auto: by chat template)",
-    )
-    limits = p.add_argument_group("per-request limits")
-    for name, kind in [("max_queued_requests", int), ("max_body_bytes", int), ("max_n", int),
-                       ("max_tokens_limit", int), ("max_stop_strings", int), ("max_stop_string_chars", int),
-                       ("max_logit_bias", int), ("max_top_logprobs", int), ("max_messages", int),
-                       ("max_prompts", int), ("max_queued_sequences", int), ("max_request_tokens", int)]:  # fmt: skip
-        limits.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name))
-    limits.add_argument(
-        "--privileged-key",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="key name that may send negative priorities (repeatable; admin keys may too)",
-    )
-    EngineArgs.add_cli_args(p, "serve", groups=(ENGINE, TIERS, SPECULATIVE))
-
-
-def _add_tenancy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin-key", action="append", default=[],
-                   help="an operator's key, name:key (repeatable; also FORNAX_ADMIN_KEY): everything a user key "
-                        "may do, plus /admin/* and every request in /v1/fornax/events and /live. With keys but "
-                        "no admin key, /admin/* answers 403 to all")  # fmt: skip
-    p.add_argument("--admin-key-file", default=None, help="file with one admin key (or name:key) per line")
-    p.add_argument("--prefix-cache-scope", default=None, choices=["global", "key"],
-                   help="key: a key's requests reuse only its own cached prompt blocks, so cached_tokens "
-                        "reveals nothing about other keys' prompts; global: all share one cache "
-                        "(default: key when any key is configured, else global)")  # fmt: skip
-    limits = p.add_argument_group(
-        "per-key rate limits (429 with Retry-After when exceeded; see /admin/usage)"
-    )
-    limits.add_argument("--key-limits", default=None, metavar="FILE",
-                        help='JSON: {"alice": {"requests_per_minute": 60, "tokens_per_minute": 20000}, '
-                             '"*": {...every other key...}}; a key\'s entry overrides the defaults field by '
-                             "field (null: unlimited)")  # fmt: skip
-    limits.add_argument(
-        "--rate-limit-rpm",
-        type=int,
-        default=None,
-        metavar="N",
-        help="default requests per minute for every key (over any 60 s window)",
-    )
-    limits.add_argument(
-        "--rate-limit-tpm",
-        type=int,
-        default=None,
-        metavar="M",
-        help="default tokens per minute for every key: a request reserves its prompt plus "
-        "max_tokens per choice when admitted, corrected to the tokens used when it ends",
-    )
-
-
-def _tenancy_config(args: argparse.Namespace) -> dict:
-    """ServerConfig's role, cache-scope and rate-limit fields from the serve flags."""
-    from fornax.config import load_admin_keys, load_key_limits
-
-    return {
-        "admin_keys": load_admin_keys(args.admin_key, args.admin_key_file),
-        "prefix_cache_scope": args.prefix_cache_scope,
-        "rate_limits": load_key_limits(args.key_limits, args.rate_limit_rpm, args.rate_limit_tpm),
-    }
 
 
 def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -291,26 +179,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from fornax.cluster.cli import serve_replicas
 
         return serve_replicas(args)
-    from fornax.config import load_api_keys
     from fornax.server.app import serve
 
     models = serve_models(args)
     names = served_names(models, args.served_model_name)
-    server_config = ServerConfig(
-        host=args.host, port=args.port,
-        served_model_names=names[0], max_loaded_models=args.max_loaded_models,
-        model_load_timeout_s=args.model_load_timeout,
-        api_keys=load_api_keys(args.api_key, args.api_key_file), **_tenancy_config(args),
-        public_metrics=args.public_metrics, access_log=args.access_log, log_level=args.log_level,
-        shutdown_timeout_s=args.shutdown_timeout,
-        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-        max_tokens_limit=args.max_tokens_limit, max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars, max_logit_bias=args.max_logit_bias,
-        max_top_logprobs=args.max_top_logprobs, max_messages=args.max_messages, max_prompts=args.max_prompts,
-        max_queued_sequences=args.max_queued_sequences, max_request_tokens=args.max_request_tokens,
-        privileged_keys=tuple(args.privileged_key),
-        tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
-    )  # fmt: skip
+    server_config = ServerArgs.from_cli_args(args).create_server_config(names[0])
     engine_config = EngineArgs.from_cli_args(args, model=models[0]).create_engine_config()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -320,27 +193,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)
     ]
     return serve(server_config, served)
-
-
-def serve_models(args: argparse.Namespace) -> list[str]:
-    """The models `fornax serve` was given: the positional one, then each --model."""
-    models = ([args.model_arg] if args.model_arg else []) + list(args.model or [])
-    return models or [DEFAULT_MODEL]
-
-
-def served_names(models: list[str], given: list[str] | None) -> list[tuple[str, ...]]:
-    """Each model's served names: for one model, every --served-model-name (aliases); for
-    several, exactly one each, in order; by default the model argument itself."""
-    if not given:
-        return [(m,) for m in models]
-    if len(models) == 1:
-        return [tuple(given)]
-    if len(given) != len(models):
-        raise ConfigError(f"{len(models)} models need {len(models)} --served-model-name values, one per "
-                          f"model in order; got {len(given)}")  # fmt: skip
-    if len(set(given)) != len(given):
-        raise ConfigError("--served-model-name values must differ between models")
-    return [(n,) for n in given]
 
 
 # The model modules whose errors a user can cause, and the error each raises.

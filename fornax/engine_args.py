@@ -11,7 +11,7 @@ built from.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from fornax.config import (
@@ -38,6 +38,7 @@ from fornax.config import (
     parse_kv_cache_memory,
     parse_memory_size,
 )
+from fornax.flag_fields import add_fields, as_argv, flag_field
 
 # The argument groups of the help, in order. "model" flags go on the command's own options.
 MODEL, ENGINE, TIERS, SPECULATIVE = "model", "engine", "KV cache tiers", "speculative decoding"
@@ -63,14 +64,8 @@ def _declared(config: type, name: str) -> Any:
     return config.__dataclass_fields__[name].default
 
 
-def _arg(
-    default: Any, help: str, *, group: str = MODEL, flags: tuple[str, ...] = (), **argparse_kwargs: Any
-) -> Any:
-    """A field with its flag's spelling (default: --field-name), help, group and any other
-    add_argument keyword (type, choices, action, metavar)."""
-    return field(
-        default=default, metadata={"help": help, "group": group, "flags": flags, "argparse": argparse_kwargs}
-    )
+def _arg(default: Any, help: str, *, group: str = MODEL, **kwargs: Any) -> Any:
+    return flag_field(default, help, group=group, **kwargs)
 
 
 def _named(values: tuple[str | None, ...]) -> list[str]:
@@ -288,18 +283,8 @@ class EngineArgs:
         """Add the engine flags of `command` (its COMMAND_OVERRIDES applied) to `parser`:
         those of `groups`, less the fields in `exclude` (a flag the command spells for
         something else)."""
-        overrides = COMMAND_OVERRIDES.get(command, {})
-        containers: dict[str, Any] = {MODEL: parser}
-        for f in fields(cls):
-            group = f.metadata["group"]
-            if group not in groups or f.name in exclude:
-                continue
-            if group not in containers:
-                containers[group] = parser.add_argument_group(group)
-            kwargs = {"default": f.default, "help": f.metadata["help"], **f.metadata["argparse"]}
-            kwargs |= overrides.get(f.name, {})
-            flags = f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
-            containers[group].add_argument(*flags, dest=f.name, **kwargs)
+        add_fields(cls, {MODEL: parser}, parser, groups=groups, exclude=exclude,
+                   overrides=COMMAND_OVERRIDES.get(command))  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -307,6 +292,10 @@ class EngineArgs:
         (e.g. the one model of several `fornax serve` was given)."""
         given = {name: getattr(namespace, name) for name in cls.names() if hasattr(namespace, name)}
         return cls(**(given | overrides))
+
+    def as_argv(self, command: str, exclude: tuple[str, ...] = ()) -> list[str]:
+        """The settings that differ from `command`'s defaults, as its flags would give them."""
+        return as_argv(self, exclude=exclude, overrides=COMMAND_OVERRIDES.get(command))
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as LLM's keyword arguments (a shallow copy: values are not converted)."""

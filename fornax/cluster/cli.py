@@ -25,9 +25,11 @@ from fornax.cluster.config import (
     ScalingPolicy,
 )
 from fornax.config import DEFAULT_MODEL, ConfigError
+from fornax.engine_args import EngineArgs
+from fornax.server_args import ServerArgs, add_serve_args
 
 # serve flags the cluster sets for each replica itself (never passed through)
-_OWN_DESTS = {"model_arg", "model", "host", "port", "num_threads", "shutdown_timeout", "help", "replicas"}
+_OWN_DESTS = ("model_arg", "model", "host", "port", "num_threads", "shutdown_timeout")
 
 
 def add_replicas_arg(serve: argparse.ArgumentParser) -> None:
@@ -41,7 +43,6 @@ def add_replicas_arg(serve: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_parser(sub: Any) -> None:
-    from fornax.cli import _add_serve_args  # the serve flags: the pass-through is checked and documented
     from fornax.router.policies import policy_names
 
     cluster = sub.add_parser(
@@ -49,7 +50,7 @@ def add_cluster_parser(sub: Any) -> None:
     )
     actions = cluster.add_subparsers(dest="cluster_command", required=True)
     up = actions.add_parser("up", help="start a cluster and run it until SIGTERM/Ctrl-C (then drain it)")
-    _add_serve_args(up)
+    add_serve_args(up)  # every serve flag: those given pass on to the replicas (passthrough_args)
     up.set_defaults(port=DEFAULT_ROUTER_PORT)  # --host/--port: the router's here
     g = up.add_argument_group("cluster")
     g.add_argument(
@@ -182,44 +183,23 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def passthrough_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
-    """The serve flags given (not at their defaults), as argv for each replica; and, when the
-    replicas have keys, a generated admin key the replica actors read /metrics with."""
-    from fornax.cli import _add_serve_args
-    from fornax.config import load_admin_keys, load_api_keys
-
-    serve = argparse.ArgumentParser(add_help=False)
-    _add_serve_args(serve)
-    argv: list[str] = []
-    for action in serve._actions:
-        if not action.option_strings or action.dest in _OWN_DESTS or not hasattr(args, action.dest):
-            continue
-        argv += _as_argv(action, getattr(args, action.dest))
-    users = load_api_keys(args.api_key, args.api_key_file)
-    if not (users or load_admin_keys(args.admin_key, args.admin_key_file)):
+    """The serve settings given (not at their defaults), as argv for each replica, rendered
+    from EngineArgs' and ServerArgs' fields; and, when the replicas have keys, a generated
+    admin key the replica actors read /metrics with."""
+    server = ServerArgs.from_cli_args(args)
+    argv = EngineArgs.from_cli_args(args).as_argv("serve", exclude=tuple(_OWN_DESTS))
+    argv += server.as_argv(exclude=tuple(_OWN_DESTS))
+    if not (server.api_keys() or server.admin_keys()):
         return argv, None  # an open server: /metrics needs no key
     key = secrets.token_urlsafe(24)
     return [*argv, "--admin-key", f"fornax-cluster:{key}"], key
 
 
-def _as_argv(action: argparse.Action, value: Any) -> list[str]:
-    if value == action.default:
-        return []
-    flag = action.option_strings[0]
-    if isinstance(action, argparse.BooleanOptionalAction):
-        return [flag if value else "--no-" + flag[2:]]
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # --no-prefix-caching
-        return [flag]
-    # FLAG=VALUE, never FLAG VALUE: a value starting with "-" (a generated key, say) would be
-    # read as a flag of its own by the receiving parser.
-    if isinstance(action, argparse._AppendAction):
-        return [f"{flag}={v}" for v in value]
-    return [f"{flag}={value}"]
-
-
 def router_key_args(args: argparse.Namespace) -> list[str]:
     """The keys, for the router too: clients authenticate at the front door, and the router
     passes their Authorization on, so each replica still knows whose request it is."""
-    pairs = [("--api-key", key) for key in args.api_key] + [("--admin-key", key) for key in args.admin_key]
+    pairs = [("--api-key", key) for key in args.api_key or ()]
+    pairs += [("--admin-key", key) for key in args.admin_key or ()]
     pairs += [(flag, path) for flag, path in (("--api-key-file", args.api_key_file),
                                               ("--admin-key-file", args.admin_key_file)) if path]  # fmt: skip
     return [f"{flag}={value}" for flag, value in pairs]  # "=": a key may start with "-"

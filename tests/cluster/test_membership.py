@@ -73,7 +73,7 @@ def test_serve_flags_pass_through_to_each_replica() -> None:
          "--max-model-len", "256", "--quantization", "auto", "--no-access-log", "--shutdown-timeout", "7",
          "--port", "9100"])  # fmt: skip
     config = cluster_config(args)
-    assert config.replica.serve_args == ("--quantization=auto", "--no-access-log", "--max-model-len=256")
+    assert config.replica.serve_args == ("--quantization=auto", "--max-model-len=256", "--no-access-log")
     assert (config.replica.model, config.replica.num_threads, config.replica.shutdown_timeout_s) == (
         "m",
         2,

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from fornax import LLM, SamplingParams
-from fornax.cli import served_names
 from fornax.config import ConfigError
+from fornax.server_args import served_names
 from tests.model.tiny_models import build_tiny_model
 from tests.server.test_engine_thread import voluntary_switches
 

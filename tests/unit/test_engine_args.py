@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fornax.cli import build_parser, serve_models
+from fornax.cli import build_parser
 from fornax.cluster.cli import cluster_config
 from fornax.config import (
     SERVE_MAX_NUM_BATCHED_TOKENS,
@@ -23,6 +23,7 @@ from fornax.config import (
     SpeculativeConfig,
 )
 from fornax.engine_args import COMMAND_OVERRIDES, EngineArgs
+from fornax.server_args import serve_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
