@@ -10,6 +10,7 @@ engine through its API (EngineCore.stats(), .sequences(), ...) rather than its i
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +22,42 @@ PACKAGE = ROOT / "fornax"
 # The packages that observe an engine, and what they may not read of an EngineCore: its
 # scheduler, KV and per-sequence tables, runner and speculative controller, and anything private.
 OBSERVERS = ("fornax.server", "fornax.metrics", "fornax.router", "fornax.cluster")
-# package -> the packages it must never import
-FORBIDDEN = {
-    "fornax.engine": (*OBSERVERS, "fornax.bench"),
-    "fornax.models": (*OBSERVERS, "fornax.bench", "fornax.engine"),
-    "fornax.layers": (*OBSERVERS, "fornax.bench", "fornax.engine"),
-    "fornax.metrics": ("fornax.server", "fornax.router", "fornax.cluster"),
-    # The benchmark client measures any OpenAI-compatible URL: nothing of the engine or server.
-    "fornax.bench": ("fornax.engine", "fornax.models", "fornax.layers", "fornax.server", "fornax.metrics"),
+
+# Every unit of the tree (a package, or a module at the top of fornax/) and the units it may
+# import directly, bottom to top (docs/architecture.md, Layering). A module of no unit here
+# fails the suite: a new package takes its place in the table before it lands.
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "fornax.config": (),
+    "fornax.chat_template": (),
+    "fornax.gguf_file": (),
+    "fornax.flag_fields": (),  # the GGUF container: numpy and gguf, so the tokenizer loads no torch
+    "fornax.tokenizer": ("fornax.chat_template", "fornax.gguf_file"),
+    "fornax.bench": (),  # measures any OpenAI-compatible URL: nothing of the engine or server
+    "fornax.layers": ("fornax.config",),
+    "fornax.models": ("fornax.layers", "fornax.gguf_file", "fornax.config"),
+    "fornax.engine_args": ("fornax.flag_fields", "fornax.layers", "fornax.config"),
+    "fornax.server_args": ("fornax.engine_args", "fornax.flag_fields", "fornax.config"),
+    "fornax.engine": ("fornax.models", "fornax.layers", "fornax.tokenizer", "fornax.config"),
+    "fornax.tools": ("fornax.engine",),
+    "fornax.quality": ("fornax.engine",),
+    "fornax.outputs": ("fornax.engine", "fornax.tools"),
+    "fornax.metrics": ("fornax.engine", "fornax.config"),
+    "fornax.llm": ("fornax.outputs", "fornax.engine_args", "fornax.engine", "fornax.tools", "fornax.tokenizer",
+                   "fornax.config"),
+    "fornax": ("fornax.llm", "fornax.outputs", "fornax.engine"),  # the package's lazy re-exports
+    "fornax.server": ("fornax", "fornax.metrics", "fornax.engine", "fornax.tools", "fornax.layers",
+                      "fornax.tokenizer", "fornax.config"),
+    "fornax.router": ("fornax", "fornax.server", "fornax.config"),
+    "fornax.cluster": ("fornax.router", "fornax.server_args", "fornax.engine_args", "fornax.config"),
+    "fornax.cli": ("fornax.cluster", "fornax.router", "fornax.server", "fornax.bench", "fornax.llm",
+                   "fornax.server_args", "fornax.engine_args", "fornax.engine", "fornax.models", "fornax.layers",
+                   "fornax.config"),
+}  # fmt: skip
+# A process's main: it runs the CLI, so it stands above every unit whatever package holds it
+# (`python -m fornax.router`, the cluster's replica process).
+ENTRY_POINTS = {
+    "fornax.router.__main__": ("fornax.cli",),
+    "fornax.cluster.child": ("fornax.cli",),
 }
 CORE_INTERNALS = frozenset({"scheduler", "seqs", "children", "held", "last_step", "runner", "spec"})
 
@@ -83,16 +112,60 @@ def all_imports() -> list[Import]:
     return out
 
 
+def unit_of(module: str) -> str | None:
+    """The table's unit that holds `module` (the longest entry it lies within), or None. The unit
+    "fornax" is the package's own __init__: it holds no module but itself and its attributes
+    (`from fornax import __version__`)."""
+    if module in ENTRY_POINTS:
+        return module
+    units = [u for u in MAY_IMPORT if u != "fornax" and _within(module, u)]
+    if units:
+        return max(units, key=len)
+    top = module == "fornax" or (module.count(".") == 1 and module not in _tree_modules())
+    return "fornax" if top and _within(module, "fornax") else None
+
+
+@functools.cache
+def _tree_modules() -> frozenset[str]:
+    return frozenset(m for m, _ in all_modules())
+
+
 def layering_violations(imports: list[Import]) -> list[str]:
+    """Each fornax import from one unit into another that the table does not allow."""
+    allowed = {**MAY_IMPORT, **ENTRY_POINTS}
     bad = []
     for imp in imports:
-        for package, forbidden in FORBIDDEN.items():
-            if not _within(imp.module, package):
-                continue
-            for other in forbidden:
-                if _within(imp.target, other):
-                    bad.append(f"{imp}  ({package} must not import {other})")
+        if not _within(imp.target, "fornax"):
+            continue
+        source, target = unit_of(imp.module), unit_of(imp.target)
+        if source is None or target is None:
+            bad.append(f"{imp}  (not in the layering table)")
+        elif source != target and target not in allowed[source]:
+            bad.append(
+                f"{imp}  ({source} may import only {', '.join(allowed[source]) or 'nothing of fornax'})"
+            )
     return bad
+
+
+def table_cycle(table: dict[str, tuple[str, ...]]) -> list[str] | None:
+    """A cycle among the table's units, or None: the table itself must only point down."""
+    graph = {unit: set(deps) for unit, deps in table.items()}
+    for unit in graph:
+        path = _reaches(graph, unit, unit)
+        if path is not None:
+            return path
+    return None
+
+
+def test_every_module_has_a_place_in_the_layering():
+    unplaced = [m for m, _ in all_modules() if unit_of(m) is None]
+    assert not unplaced, "modules of no unit in MAY_IMPORT: " + ", ".join(unplaced)
+
+
+def test_the_layering_table_has_no_cycle():
+    path = table_cycle(MAY_IMPORT)
+    assert path is None, "the table allows a cycle: " + " -> ".join(path or [])
+    assert all(dep in MAY_IMPORT for deps in MAY_IMPORT.values() for dep in deps)
 
 
 def test_packages_import_only_downwards():
@@ -127,10 +200,13 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | N
 
 
 @pytest.mark.parametrize("module", ["fornax.engine.event_tap", "fornax.engine.events", "fornax.engine.stats",
-                                    "fornax.engine.memory"])  # fmt: skip
+                                    "fornax.engine.memory", "fornax.engine.spec_decode.controller",
+                                    "fornax.engine.spec_decode.draft_model", "fornax.engine.spec_decode.self_draft",
+                                    "fornax.engine.spec_decode.ngram"])  # fmt: skip
 def test_what_the_core_hands_its_state_to_never_imports_the_core(module):
     """The event tap reads the core through a narrow view (event_tap.EngineView), the memory
-    breakdown is given the runner: core.py imports them, never the other way round."""
+    breakdown is given the runner, the proposers are asked for drafts by the controller the
+    core holds: core.py imports them, never the other way round."""
     graph = _graph(all_imports())
     assert "fornax.engine.event_tap" in graph["fornax.engine.core"]
     path = _reaches(graph, module, "fornax.engine.core")
@@ -223,3 +299,42 @@ def test_the_internals_scan_finds_reads_and_spares_other_objects():
     assert core_internal_reads(source) == [
         (2, "c.scheduler"), (4, "x.seqs"), (5, "engine.core.last_step"), (6, "core._pending"),
     ]  # fmt: skip
+
+
+# Back-imports the tree once had or invites, each written into a module of the importing unit:
+# the scan must refuse every one (the arrows of docs/architecture.md, Layering).
+BACK_IMPORTS = [
+    ("fornax.cluster.cli", "from fornax.cli import build_parser"),  # the cluster borrowed serve's flags
+    ("fornax.tokenizer", "from fornax.models.loader import read_gguf"),  # torch for a tokenizer
+    ("fornax.layers.linear", "from fornax.models.llama import KVCache"),
+    ("fornax.models.llama", "from fornax.engine.spec_decode import TargetInfo"),
+    ("fornax.models.llama", "from fornax.tools import ToolCall"),
+    ("fornax.engine.core", "from fornax.server.app import serve"),
+    ("fornax.engine.core", "from fornax.llm import LLM"),
+    ("fornax.engine.core", "from fornax.tools.calls import parse_tool_calls"),
+    ("fornax.metrics.live", "from fornax.server.state import RequestRecord"),
+    ("fornax.bench.client", "import fornax.engine"),
+    ("fornax.config", "from fornax.engine.request import SamplingParams"),
+    ("fornax.router.core", "from fornax.cluster import controller"),
+    ("fornax.server.app", "from fornax.cli import main"),
+    ("fornax.engine_args", "from fornax.server_args import ServerArgs"),
+]
+
+
+@pytest.mark.parametrize(("module", "line"), BACK_IMPORTS)
+def test_an_injected_back_import_fails_the_layering(module: str, line: str) -> None:
+    source = "from __future__ import annotations\n" + line + "\n"
+    bad = layering_violations(imports_of(source, module, module.replace(".", "/") + ".py"))
+    assert len(bad) == 1 and ":2:" in bad[0], bad
+
+
+def test_a_module_outside_the_table_and_a_cyclic_table_are_refused() -> None:
+    bad = layering_violations(
+        imports_of("import fornax.engine\n", "fornax.newpkg.mod", "fornax/newpkg/mod.py")
+    )
+    assert bad and "not in the layering table" in bad[0]
+    assert (
+        unit_of("fornax.newpkg.mod") is None and unit_of("fornax.engine.spec_decode.ngram") == "fornax.engine"
+    )
+    assert table_cycle({"a": ("b",), "b": ("c",), "c": ("a",)}) == ["a", "b", "c", "a"]
+    assert table_cycle({"a": ("b",), "b": (), "c": ("a", "b")}) is None
