@@ -79,7 +79,8 @@ class LLM:
                 pass
             raise
         for out in self._run():
-            _accumulate(results[out.request_id], out)
+            if out.request_id in results:  # a request of an unfinished stream may run along
+                _accumulate(results[out.request_id], out)
         return [results[r] for r in order]
 
     def chat(
@@ -122,11 +123,25 @@ class LLM:
         return results
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[EngineOutput]:
-        """Yield per-step deltas of one request as they are produced (used by `fornax chat`)."""
+        """Yield this request's per-step deltas (each of its n samples') as they are produced,
+        until all its samples finish (used by `fornax chat`). Requests added by other calls
+        keep stepping meanwhile, but their outputs are not this stream's. Closing the
+        iterator early aborts the request, so its KV blocks are freed."""
+        params = sampling_params or SamplingParams()
         request_id = str(next(self._ids))
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.add_request(request_id, ids, sampling_params or SamplingParams())
-        yield from self._run()
+        self.engine.add_request(request_id, ids, params)
+        unfinished = params.n
+        try:
+            while unfinished and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        unfinished -= out.finished
+                        yield out
+        finally:
+            if unfinished:
+                self.engine.abort_request(request_id)
+                self.engine.step()  # hands back the abort's outputs, which no later call expects
 
     def _run(self) -> Iterator[EngineOutput]:
         while self.engine.has_unfinished_requests():
