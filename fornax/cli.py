@@ -195,17 +195,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(server_config, served)
 
 
-# The model modules whose errors a user can cause, and the error each raises.
-_MODEL_ERRORS = (("fornax.models.registry", "ModelSourceError"), ("fornax.models.loader", "ModelLoadError"))
+# The errors a user can cause, by the module that declares each: a bad flag, an unknown or
+# broken model, a bad sampling parameter, a prompt the engine refuses, a broken chat template.
+# A ValueError of any other kind is a bug and keeps its traceback.
+_USER_ERRORS = (("fornax.models.registry", "ModelSourceError"), ("fornax.models.loader", "ModelLoadError"),
+                ("fornax.gguf_file", "GGUFFormatError"), ("fornax.engine.request", "SamplingParamsError"),
+                ("fornax.engine.request", "RequestRejected"), ("fornax.chat_template", "ChatTemplateError"),
+                ("fornax.bench", "BenchUsageError"))  # fmt: skip
 
 
 def user_errors() -> tuple[type[Exception], ...]:
-    """The exceptions told as one line instead of a traceback. The model modules' own are
+    """The exceptions told as one line instead of a traceback. Those of other modules are
     looked up only among modules already imported: a handler that raised one has imported
     it, and importing them here would load torch (seconds, and its memory) for commands
     that never touch a model (`router`, `bench`, `cluster`)."""
-    errors: list[type[Exception]] = [ConfigError, ValueError]
-    for module, name in _MODEL_ERRORS:
+    errors: list[type[Exception]] = [ConfigError]
+    for module, name in _USER_ERRORS:
         loaded = sys.modules.get(module)
         if loaded is not None and hasattr(loaded, name):
             errors.append(getattr(loaded, name))

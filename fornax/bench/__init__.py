@@ -12,6 +12,10 @@ from typing import Any
 __all__ = ["add_bench_parser", "run_bench"]
 
 
+class BenchUsageError(ValueError):
+    """A bad `fornax bench` argument: told as one line by the CLI, never a traceback."""
+
+
 def __getattr__(name: str) -> Any:
     if name in __all__:
         from fornax.bench import cli

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from fornax.bench import BenchUsageError, workloads
 from fornax.bench import client as bench_client
-from fornax.bench import workloads
 from fornax.bench.client import RequestResult, Target
 from fornax.bench.plot import plot_run, plot_sweep
 from fornax.bench.report import (
@@ -102,25 +102,25 @@ def _parse_levels(text: str | None) -> list[int] | None:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--sweep-concurrency takes integers like 1,4,16; got {text!r}") from None
+        raise BenchUsageError(f"--sweep-concurrency takes integers like 1,4,16; got {text!r}") from None
     if not levels or any(n < 1 for n in levels):
-        raise ValueError(f"--sweep-concurrency levels must be >= 1; got {text!r}")
+        raise BenchUsageError(f"--sweep-concurrency levels must be >= 1; got {text!r}")
     return levels
 
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
-        raise ValueError("--num-prompts must be at least 1")
+        raise BenchUsageError("--num-prompts must be at least 1")
     if args.num_warmups < 0:
-        raise ValueError("--num-warmups must be >= 0")
+        raise BenchUsageError("--num-warmups must be >= 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
+        raise BenchUsageError("--max-concurrency must be at least 1")
     if args.timeout is not None and not args.timeout > 0:
-        raise ValueError("--timeout must be positive")
+        raise BenchUsageError("--timeout must be positive")
     if args.dataset == "sharegpt" and not args.dataset_path:
-        raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
+        raise BenchUsageError("--dataset sharegpt needs --dataset-path FILE.json")
     if args.output_len is not None and args.output_len < 1:
-        raise ValueError("--output-len must be at least 1")
+        raise BenchUsageError("--output-len must be at least 1")
     workloads.arrival_offsets(0, args.request_rate, args.burstiness)  # validates rate and burstiness
 
 
@@ -191,7 +191,7 @@ async def _bench(args: argparse.Namespace) -> int:
     _check_args(args)
     model = args.model or await bench_client.fetch_first_model(base_url, args.api_key)
     if not model:
-        raise ValueError(f"no --model given and {base_url}/v1/models did not name one")
+        raise BenchUsageError(f"no --model given and {base_url}/v1/models did not name one")
     tpw = await _calibrate(args, base_url, model)
     reqs = build_workload(args, tpw)
     target = Target(base_url, model, args.endpoint, args.api_key, args.temperature)

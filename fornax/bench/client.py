@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fornax.bench import BenchUsageError
 from fornax.bench.workloads import BenchRequest
 
 
@@ -96,7 +97,7 @@ def normalize_base_url(url: str) -> str:
     """Accept `http://h:p`, `http://h:p/` or `http://h:p/v1`; return the root without a slash."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--base-url must start with http:// or https://, got {url!r}")
+        raise BenchUsageError(f"--base-url must start with http:// or https://, got {url!r}")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from fornax.bench import BenchUsageError
 from fornax.bench.client import RequestResult
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -82,13 +83,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         key, sep, value = item.partition(":")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise ValueError(f"--goodput takes KEY:MS with KEY in {', '.join(SLO_KEYS)}; got {item!r}")
+            raise BenchUsageError(f"--goodput takes KEY:MS with KEY in {', '.join(SLO_KEYS)}; got {item!r}")
         try:
             ms = float(value)
         except ValueError:
-            raise ValueError(f"--goodput {key}: {value!r} is not a number of milliseconds") from None
+            raise BenchUsageError(f"--goodput {key}: {value!r} is not a number of milliseconds") from None
         if not ms > 0 or not math.isfinite(ms):
-            raise ValueError(f"--goodput {key}: the SLO must be a positive number of ms, got {value!r}")
+            raise BenchUsageError(f"--goodput {key}: the SLO must be a positive number of ms, got {value!r}")
         slos[key] = ms
     return slos
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fornax.bench import BenchUsageError
+
 DATASETS = ("random", "prefix-repetition", "sharegpt", "builtin")
 
 # Common, short English words. Nearly every BPE vocabulary of note holds each of them, with a
@@ -83,9 +85,9 @@ def random_workload(num_prompts: int, input_len: int, output_len: int, range_rat
                     seed: int = 0, tokens_per_word: float = 1.0) -> list[BenchRequest]:  # fmt: skip
     """Independent random prompts; each one starts differently so no prefix is shared."""
     if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+        raise BenchUsageError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
-        raise ValueError("--random-input-len and --random-output-len must be at least 1")
+        raise BenchUsageError("--random-input-len and --random-output-len must be at least 1")
     rng = np.random.default_rng(seed)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
@@ -102,7 +104,7 @@ def prefix_repetition_workload(num_prompts: int, prefix_len: int, num_prefixes: 
     prefill its suffix: compare TTFT with caching on and off to see the gain.
     """
     if num_prefixes < 1 or prefix_len < 1 or suffix_len < 0 or output_len < 1:
-        raise ValueError(
+        raise BenchUsageError(
             "--num-prefixes, --prefix-len and --random-output-len must be >= 1, --suffix-len >= 0"
         )
     rng = np.random.default_rng(seed)
@@ -140,9 +142,9 @@ def sharegpt_workload(path: str | Path, num_prompts: int, seed: int = 0, output_
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read ShareGPT file {path}: {exc}") from None
+        raise BenchUsageError(f"cannot read ShareGPT file {path}: {exc}") from None
     if not isinstance(data, list):
-        raise ValueError(f"ShareGPT file {path}: expected a JSON list of conversations")
+        raise BenchUsageError(f"ShareGPT file {path}: expected a JSON list of conversations")
     pool: list[BenchRequest] = []
     for conv in data:
         pair = _first_exchange(conv) if isinstance(conv, dict) else None
@@ -153,7 +155,7 @@ def sharegpt_workload(path: str | Path, num_prompts: int, seed: int = 0, output_
             continue
         pool.append(BenchRequest(pair[0], p_len, output_len or a_len, ignore_eos=False))
     if not pool:
-        raise ValueError(f"ShareGPT file {path}: no usable human/gpt exchange found")
+        raise BenchUsageError(f"ShareGPT file {path}: no usable human/gpt exchange found")
     return _sample(pool, num_prompts, seed)
 
 
@@ -187,9 +189,9 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
     sends everything at once.
     """
     if request_rate <= 0:
-        raise ValueError(f"--request-rate must be positive, got {request_rate}")
+        raise BenchUsageError(f"--request-rate must be positive, got {request_rate}")
     if burstiness <= 0:
-        raise ValueError(f"--burstiness must be positive, got {burstiness}")
+        raise BenchUsageError(f"--burstiness must be positive, got {burstiness}")
     if np.isinf(request_rate) or n == 0:
         return np.zeros(n)
     rng = np.random.default_rng(seed)

@@ -31,7 +31,7 @@ from typing import Any
 from fornax.config import EngineConfig
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
-from fornax.engine.request import SamplingParams
+from fornax.engine.request import RequestRejected, SamplingParams
 from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.layers.memory import release_free_heap
 
@@ -220,7 +220,11 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
-                    raise ValueError(item.error) if item.invalid_request else RequestFailedError(item.error)
+                    raise (
+                        RequestRejected(item.error)
+                        if item.invalid_request
+                        else RequestFailedError(item.error)
+                    )
                 if item.finished:
                     remaining -= 1
                 yield item

@@ -23,7 +23,7 @@ from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
 from fornax.engine.memory import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
-from fornax.engine.request import Request, RequestStatus, SamplingParams
+from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
 from fornax.engine.spec_decode.controller import SpecController
@@ -141,11 +141,11 @@ class EngineCore:
         `cache_salt`: requests reuse each other's cached prompt blocks only if their salts are
         equal (None is the shared, unsalted cache); the server salts by API key (tenancy.py)."""
         if request_id in self.children:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         params.validate_against_vocab(self.model_config.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of "
+            raise RequestRejected(f"prompt token id {bad[0]} is out of range for a vocabulary of "
                              f"{self.model_config.vocab_size}")  # fmt: skip
         structured = params.structured_outputs
         compiled = self.grammars.compile(structured) if structured is not None else None  # cached by content

@@ -34,6 +34,12 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MIN_REPETITION_PENALTY = 1e-6
 
 
+class RequestRejected(ValueError):
+    """The engine refuses a request for what it asks (a prompt longer than the context or the
+    KV cache, a token id out of range, an id in use): the caller's mistake, told as such
+    (HTTP 400, one line on the command line), never an internal error."""
+
+
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; `param` names the offending field."""
 

@@ -28,7 +28,7 @@ from fornax.config import CacheConfig, SchedulerConfig
 from fornax.engine.kv.manager import KVCacheManager, cdiv
 from fornax.engine.kv.offload.connector import KVConnector
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from fornax.engine.request import Request, RequestStatus
+from fornax.engine.request import Request, RequestRejected, RequestStatus
 
 
 class WaitingQueue:
@@ -124,22 +124,22 @@ class Scheduler:
 
     # -- admission and removal --
     def add_request(self, request: Request) -> None:
-        """Queue a new request; raises ValueError if it could never run."""
+        """Queue a new request; raises RequestRejected if it could never run."""
         n_prompt = request.num_prompt_tokens
         max_len = self.config.max_model_len
         if n_prompt >= max_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"the prompt has {n_prompt} tokens, but the maximum context length is {max_len} "
                 f"tokens, which must also leave room for at least one generated token"
             )
         capacity = self.kv.num_blocks * self.block_size
         if cdiv(n_prompt + 1, self.block_size) > self.kv.num_blocks:
-            raise ValueError(
+            raise RequestRejected(
                 f"the prompt has {n_prompt} tokens, but the KV cache holds only {capacity} tokens "
                 f"({self.kv.num_blocks} blocks of {self.block_size})"
             )
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
         # Cap the output so the request fits both the context and, alone, the whole cache
         # (the last sampled token never needs a slot). Without the second cap, a request
         # could outgrow the cache, preempt itself, and wait forever for room that cannot exist.

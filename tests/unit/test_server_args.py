@@ -120,3 +120,24 @@ def test_a_replicas_command_line_round_trips_through_the_serve_parser(command: l
     expected = replace(expected, admin_key=(*(expected.admin_key or ()), cluster_key))
     assert ServerArgs.from_cli_args(replica) == expected
     assert EngineArgs.from_cli_args(replica, model="m").max_model_len == 512
+
+
+def test_the_cli_tells_a_users_mistake_in_one_line_and_keeps_a_bugs_traceback(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import fornax.cli
+    from fornax.engine.request import RequestRejected
+
+    def rejected(args):  # type: ignore[no-untyped-def]
+        raise RequestRejected("the prompt has 9000 tokens, but the maximum context length is 8192 tokens")
+
+    def bug(args):  # type: ignore[no-untyped-def]
+        raise ValueError("an internal invariant broke")
+
+    for handler, raises in ((rejected, False), (bug, True)):
+        monkeypatch.setattr(fornax.cli, "handler", lambda command, h=handler: h)
+        if raises:
+            with pytest.raises(ValueError, match="invariant"):
+                fornax.cli.main(["pull"])
+        else:
+            assert fornax.cli.main(["pull"]) == 1
+            assert capsys.readouterr().err == "fornax: error: the prompt has 9000 tokens, but the maximum " \
+                                              "context length is 8192 tokens\n"  # fmt: skip
