@@ -159,14 +159,6 @@ def take_cut(t: Any, cut: Cut) -> Any:
     return t[start:stop] if axis == 0 else t[:, start:stop]
 
 
-def shard_tensors(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, plan: ShardPlan, exact: bool = False
-) -> dict[str, torch.Tensor]:
-    """One rank's HF-named tensors, cut from the whole model's (shard_cuts)."""
-    cuts = shard_cuts(config, plan, exact)
-    return {k: take_cut(v, cuts[k]).contiguous() if k in cuts else v for k, v in tensors.items()}
-
-
 def row_parallel_linears(model: nn.Module) -> list[Linear]:
     """The projections whose outputs are partial sums on each rank: attention O and MLP down."""
     found = []
@@ -216,24 +208,6 @@ def install_gathers(model: nn.Module, config: ModelConfig, world: int, all_gathe
         for linear, widths in ((layer.self_attn.o_proj, head_widths), (layer.mlp.down_proj, channel_widths)):
             linear.register_forward_pre_hook(gather_input(widths))
             linear.register_forward_hook(gather_output)
-
-
-def build_shard(
-    cls: type[nn.Module],
-    config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
-    plan: ShardPlan,
-    dtype: torch.dtype,
-    all_reduce: AllReduce,
-) -> nn.Module:
-    """This rank's model: the architecture's class at the slice's sizes, its weights (`tensors`:
-    the rank's parts already, as the loaders read them with shard_cuts), the all-reduces."""
-    model = cls(plan.local_config(config), dtype)
-    with torch.no_grad():
-        model.load_weights(tensors)
-    model.eval()
-    install_all_reduce(model, all_reduce)
-    return model
 
 
 # How long a rank waits for rank 0's next message: an idle engine sends none, so this is no

@@ -89,10 +89,6 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be a non-empty line of printable characters")
 
     @property
-    def auth_enabled(self) -> bool:
-        return bool(self.api_keys or self.admin_keys)
-
-    @property
     def poll_key(self) -> str | None:
         """The key the router's own polls present to replicas."""
         return self.replica_poll_key if self.replica_poll_key is not None else self.replica_api_key

@@ -1,7 +1,7 @@
 """What the server knows between requests: its models and their engines (server/models.py),
 lifecycle flags, the requests in flight, counters and per-key usage.
 
-One `ServerState` lives at `app.state.fornax`. It is also the hook for the metrics issue:
+One `ServerState` lives at `app.state.fornax`. It is also what the metrics read (metrics/):
 `record_listeners` receive one `RequestRecord` per finished request, and the counters here
 (`num_aborted`, `num_rejected`, ...) are plain ints a collector can read.
 """

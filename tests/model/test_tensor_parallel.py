@@ -23,17 +23,16 @@ from fornax.config import ModelConfig
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
-from fornax.models import ARCHITECTURES, load_weights
+from fornax.models import load_model, load_weights
 from fornax.models.llama import KVCache
-from fornax.models.loader import CutsFor, read_cut
+from fornax.models.loader import read_cut
 from fornax.models.registry import resolve_model
 from fornax.models.tensor_parallel import (
-    build_shard,
+    ShardPlan,
     connect_gloo_groups,
-    gloo_all_reduce,
+    gloo_shard,
     plan_shards,
     shard_cuts,
-    shard_tensors,
     take_cut,
 )
 from tests.model.tiny_models import build_tiny_model
@@ -44,15 +43,11 @@ BLOCK = 16
 
 def _logits(source: str, world: int, rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The prompt's logits through rank `rank`'s shard (world 1: the whole model)."""
-    weights = load_weights(resolve_model(source), torch.float32, progress=False, cuts_for=_cuts(world, rank))
-    config = weights.config
-    plan = plan_shards(config, world)[rank]
-    reduce = gloo_all_reduce(group) if group is not None else (lambda t: None)
-    model = build_shard(
-        ARCHITECTURES[config.architecture], config, weights.tensors, plan, torch.float32, reduce
+    loaded = load_model(
+        source, "float32", progress=False, shard=None if group is None else gloo_shard(group, rank)
     )
+    model, local = loaded.model, loaded.local_config or loaded.config
     model.use_ops(layer_ops("native", torch.float32))
-    local = plan.local_config(config)
     blocks = -(-len(PROMPT) // BLOCK)
     cache = KVCache(local, blocks + 2, BLOCK, torch.float32)
     kernel = load_paged_attention()
@@ -65,8 +60,12 @@ def _logits(source: str, world: int, rank: int, group: dist.ProcessGroup | None 
         return model.compute_logits(hidden)
 
 
-def _cuts(world: int, rank: int) -> CutsFor:
-    return lambda config: shard_cuts(config, plan_shards(config, world)[rank])
+def _shard_tensors(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, plan: ShardPlan, exact: bool
+) -> dict[str, torch.Tensor]:
+    """The definition of a rank's tensors: its cuts (shard_cuts) of the whole model's."""
+    cuts = shard_cuts(config, plan, exact)
+    return {k: take_cut(v, cuts[k]).contiguous() if k in cuts else v for k, v in tensors.items()}
 
 
 def _rank_main(rank: int, world: int, port: int, sources: list[str], out_dir: str) -> None:
@@ -193,7 +192,7 @@ def test_a_rank_reads_its_parts_of_the_gguf(default_gguf):
         part = load_weights(
             source, torch.float32, progress=False, keep_int4_blocks=True, cuts_for=lambda c, cuts=cuts: cuts
         )
-        want = shard_tensors(whole.tensors, whole.config, plan, exact)
+        want = _shard_tensors(whole.tensors, whole.config, plan, exact)
         assert want.keys() == part.tensors.keys()
         for name, tensor in want.items():
             assert torch.equal(part.tensors[name], tensor), name

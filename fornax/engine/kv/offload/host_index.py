@@ -33,10 +33,6 @@ class HostIndex:
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._by_hash)
-
     # -- cached blocks --
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The slot holding the block, marked most recently used; None on a miss."""
