@@ -20,9 +20,14 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which and why."""
 
 
+def env_fornax_home() -> str | None:
+    """FORNAX_HOME as set, or None (the cluster hands an explicit one on to its replicas)."""
+    return os.environ.get("FORNAX_HOME") or None
+
+
 def fornax_home() -> Path:
     """Cache root for fetched models and built kernels (FORNAX_HOME, default ~/.cache/fornax)."""
-    return Path(os.environ.get("FORNAX_HOME") or Path.home() / ".cache" / "fornax").expanduser()
+    return Path(env_fornax_home() or Path.home() / ".cache" / "fornax").expanduser()
 
 
 def debug_checks_enabled() -> bool:

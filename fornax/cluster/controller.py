@@ -22,6 +22,7 @@ from fornax.cluster.autoscaler import Autoscaler, Load, pick_victim
 from fornax.cluster.config import ClusterConfig, ReplicaSpec
 from fornax.cluster.membership import diff_membership
 from fornax.cluster.router_client import Membership, RouterClient, RouterProcess
+from fornax.config import env_fornax_home
 
 logger = logging.getLogger("fornax.cluster")
 
@@ -190,7 +191,7 @@ class ClusterController:
         import ray
 
         spec = self.config.replica
-        home = os.environ.get("FORNAX_HOME")
+        home = env_fornax_home()
         if home and "FORNAX_HOME" not in dict(spec.env):  # the model cache the driver uses
             spec = replace(spec, env=(*spec.env, ("FORNAX_HOME", home)))
         if spec.num_threads is None:  # the cluster's cores shared by the most replicas it may run

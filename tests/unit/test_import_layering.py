@@ -338,3 +338,42 @@ def test_a_module_outside_the_table_and_a_cyclic_table_are_refused() -> None:
     )
     assert table_cycle({"a": ("b",), "b": ("c",), "c": ("a",)}) == ["a", "b", "c", "a"]
     assert table_cycle({"a": ("b",), "b": (), "c": ("a", "b")}) is None
+
+
+# -- environment variables are read in config.py only (docs/architecture.md, rule 4) --
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines that read one environment variable: os.environ[...], os.environ.get(...),
+    os.getenv(...), `... in os.environ`. Copying the whole environment for a child process
+    (`{**os.environ}`) reads no variable of its own."""
+
+    def is_environ(node: ast.expr) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and is_environ(node.value):
+            out.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if (node.func.attr in ("get", "pop", "setdefault") and is_environ(node.func.value)) or (
+                node.func.attr == "getenv"
+            ):
+                out.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            out.append(node.lineno)
+    return sorted(set(out))
+
+
+def test_environment_variables_are_read_in_config_only():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for module, path in all_modules()
+        if module != "fornax.config"
+        for line in environment_reads(path.read_text())
+    ]
+    assert not bad, "environment reads outside fornax/config.py: " + ", ".join(bad)
+    probe = (
+        'import os\na = os.environ["A"]\nb = os.environ.get("B")\nc = os.getenv("C")\nd = "D" in os.environ\n'
+    )
+    assert environment_reads(probe + "env = {**os.environ}\n") == [2, 3, 4, 5]
