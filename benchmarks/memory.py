@@ -1,5 +1,5 @@
 """Resident memory of a serving process, before and after a fixed load, with its breakdown
-(engine/memory.py), side by side with llama.cpp's server when one is given.
+(engine/memory_report.py), side by side with llama.cpp's server when one is given.
 
 Each server serves the default model's Q4_1 GGUF with the same KV budget (--kv MiB; for
 llama-server, the largest f16 context that fits in it as it sizes one: 32 slots of a multiple

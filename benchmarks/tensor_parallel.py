@@ -20,7 +20,7 @@ import time
 import torch
 
 from fornax import LLM, SamplingParams
-from fornax.models.tensor_parallel import connect_gloo_groups, gloo_all_reduce
+from fornax.models.sharding import connect_gloo_groups, gloo_all_reduce
 
 HIDDEN = 576  # the default model's hidden size
 PROMPT = "Write a long story about a lighthouse keeper and a storm. " * 3

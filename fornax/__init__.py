@@ -14,14 +14,14 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__vers
 _LAZY = {
     "LLM": "fornax.llm",
     "SamplingParams": "fornax.engine.request",
-    "CompletionOutput": "fornax.outputs",
-    "RequestOutput": "fornax.outputs",
+    "CompletionOutput": "fornax.request_output",
+    "RequestOutput": "fornax.request_output",
 }
 
 if TYPE_CHECKING:
     from fornax.engine.request import SamplingParams
     from fornax.llm import LLM
-    from fornax.outputs import CompletionOutput, RequestOutput
+    from fornax.request_output import CompletionOutput, RequestOutput
 
 
 def __getattr__(name: str) -> Any:

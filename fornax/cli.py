@@ -117,12 +117,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
-    """The breakdown of engine/memory.py after loading and one short generation (so the lazily
+    """The breakdown of engine/memory_report.py after loading and one short generation (so the lazily
     built state of the first steps is in it), as `fornax serve` would hold it at rest."""
     import json
 
     from fornax.engine.request import SamplingParams
-    from fornax.layers.memory import release_free_heap
+    from fornax.layers.process_memory import release_free_heap
 
     llm = _llm(args)
     llm.generate(["What is LLM inference?"], SamplingParams(max_tokens=8, temperature=0.0))

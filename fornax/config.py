@@ -686,7 +686,7 @@ class ServerConfig:
     # How `tool_choice: "auto"` output is read (fornax/tools/calls.py): "hermes", "llama3_json";
     # None picks by the chat template.
     tool_call_parser: str | None = None
-    # Several models (server/models.py): None loads every one at start-up; K loads them on
+    # Several models (server/model_set.py): None loads every one at start-up; K loads them on
     # first request and keeps at most K, unloading the least recently used idle one.
     max_loaded_models: int | None = None
     model_load_timeout_s: float = 300.0  # how long a request waits for its model to load
@@ -737,7 +737,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ServedModelConfig:
-    """One model of a server that serves several (server/models.py)."""
+    """One model of a server that serves several (server/model_set.py)."""
 
     names: tuple[str, ...]  # what clients send as `model`; the first is the name in responses
     engine: EngineConfig

@@ -11,7 +11,7 @@ from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import SamplingParams
 from fornax.engine_args import EngineArgs
-from fornax.outputs import CompletionOutput, RequestOutput
+from fornax.request_output import CompletionOutput, RequestOutput
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
 

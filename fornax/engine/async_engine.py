@@ -33,7 +33,7 @@ from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.request import RequestRejected, SamplingParams
 from fornax.engine.structured.spec import StructuredOutputsParams
-from fornax.layers.memory import release_free_heap
+from fornax.layers.process_memory import release_free_heap
 
 logger = logging.getLogger("fornax.engine")
 

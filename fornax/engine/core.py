@@ -21,7 +21,7 @@ from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
-from fornax.engine.memory import MemoryReport, engine_tensors, memory_report
+from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
@@ -30,7 +30,7 @@ from fornax.engine.spec_decode.controller import SpecController
 from fornax.engine.stats import EngineStats, SequenceView
 from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
-from fornax.layers.memory import malloc_stats, release_free_heap
+from fornax.layers.process_memory import malloc_stats, release_free_heap
 from fornax.models import DTYPES, LoadedModel
 from fornax.tokenizer import Tokenizer
 
@@ -110,7 +110,7 @@ class EngineCore:
         self.held: dict[str, list[Request]] = {}  # leader child id -> siblings waiting for its prefill
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
         self._last_step_tokens = self._last_step_seqs = 0  # batched tokens, sequences (stats())
-        # Memory breakdown (engine/memory.py): what the tokenizer took as it loaded (set by
+        # Memory breakdown (engine/memory_report.py): what the tokenizer took as it loaded (set by
         # build_engine_core, which measures it), and the files whose pages hold weights.
         self.tokenizer_bytes = 0
         path = loaded.resolved.gguf_path
@@ -122,7 +122,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
 
     def memory_report(self) -> MemoryReport:
-        """The process's resident memory by owner (engine/memory.py); call between steps."""
+        """The process's resident memory by owner (engine/memory_report.py); call between steps."""
         proposer = self.spec.proposer if self.spec is not None else None
         tensors = engine_tensors(self.runner, proposer)
         return memory_report(tensors, self.tokenizer_bytes, self.model_files)

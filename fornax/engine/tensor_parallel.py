@@ -1,6 +1,6 @@
 """Tensor parallelism, the engine half: the engine process is rank 0 of a torch.distributed
 group (gloo) and runs the scheduler, the KV bookkeeping, sampling and its own slice of the model;
-ranks 1..N-1 are worker processes that hold the other slices (models/tensor_parallel.py) and
+ranks 1..N-1 are worker processes that hold the other slices (models/sharding.py) and
 their KV pools, and run every step in lockstep.
 
 Per step, rank 0 broadcasts what a step is (token ids, positions, each sequence's start,
@@ -38,7 +38,7 @@ from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model, read_model_config
 from fornax.models.llama import KVCache
-from fornax.models.tensor_parallel import connect_gloo_groups, gloo_shard, plan_shards
+from fornax.models.sharding import connect_gloo_groups, gloo_shard, plan_shards
 
 logger = logging.getLogger("fornax.engine")
 

@@ -298,7 +298,7 @@ class Int8Rotated:
 
     def __init__(self, weight: torch.Tensor, kernel: Int8Matmul, whole_row_max: RowMax | None = None) -> None:
         """whole_row_max: the weight's columns (and each input row) are one tensor-parallel
-        rank's slice of longer rows (models/tensor_parallel.py); it turns a per-row maximum
+        rank's slice of longer rows (models/sharding.py); it turns a per-row maximum
         over the slice into one over the whole row, in place (a max across the ranks), so the
         slice is rounded with the scales one process would use."""
         self.whole_row_max = whole_row_max

@@ -137,7 +137,7 @@ class Metrics:
         self.spec_acceptance = hist("spec_decode_acceptance_rate",
                                     "Per speculating request: accepted / proposed draft tokens.",
                                     tuple(i / 10 for i in range(1, 11)))  # fmt: skip
-        # -- the model itself (server/models.py: loaded at start-up, or on demand with LRU unloading) --
+        # -- the model itself (server/model_set.py: loaded at start-up, or on demand with LRU unloading) --
         self.model_loaded = gauge("model_loaded", "1 while the model is loaded, else 0.")
         self.model_loads = counter("model_loads", "Times the model was loaded.")
         self.model_unloads = counter(

@@ -15,7 +15,7 @@ from fornax.layers import hugepages
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.kernel_plan import FormRequest, Kernels, NoBatchInvariantForm, plan_linear
 from fornax.layers.linear import Int4FileBlocks, Linear
-from fornax.layers.memory import release_free_heap
+from fornax.layers.process_memory import release_free_heap
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.llama import KVCache, LlamaForCausalLM
 from fornax.models.loader import (
@@ -29,7 +29,7 @@ from fornax.models.loader import (
     read_gguf,
 )
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model
-from fornax.models.tensor_parallel import (
+from fornax.models.sharding import (
     Cut,
     Shard,
     install_all_reduce,
@@ -62,7 +62,7 @@ class LoadedModel:
     config: ModelConfig
     resolved: ResolvedModel
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
-    # A tensor-parallel rank's slice (models/tensor_parallel.py): the sizes its layers and KV
+    # A tensor-parallel rank's slice (models/sharding.py): the sizes its layers and KV
     # pools have; None in a single process. `config` stays the whole model's.
     local_config: ModelConfig | None = None
 
@@ -118,7 +118,7 @@ def load_model(
     steps of at least min_rows rows (past the small-step limit) by int8 x int8 matmuls.
     deterministic: each Linear then keeps one of those forms for every step (kernel_plan.py);
     ModelLoadError where no batch-invariant form runs on this CPU. shard: only this rank's slice
-    of each layer (models/tensor_parallel.py), read alone from the file, its row-parallel
+    of each layer (models/sharding.py), read alone from the file, its row-parallel
     outputs completed by shard.all_reduce; the forms are then built per slice.
 
     Each weight is then held only in the forms some step reads (docs/memory.md): a Linear's
@@ -129,7 +129,7 @@ def load_model(
     torch_dtype = DTYPES[dtype]
     auto = small_step is not None and small_step[0] == "auto"
     cuts_for = None
-    if shard is not None:  # read only this rank's parts of the file (models/tensor_parallel.py)
+    if shard is not None:  # read only this rank's parts of the file (models/sharding.py)
 
         def cuts_for(config: ModelConfig) -> dict[str, Cut]:
             return shard_cuts(config, plan_shards(config, shard.world)[shard.rank], shard.exact)

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
 from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
-from fornax.models.tensor_parallel import Cut, take_cut
+from fornax.models.sharding import Cut, take_cut
 
-# Given a model's config, the part of each tensor to read (models/tensor_parallel.py shard_cuts).
+# Given a model's config, the part of each tensor to read (models/sharding.py shard_cuts).
 CutsFor = Callable[[ModelConfig], Mapping[str, Cut]]
 
 # GGUF architecture name -> (HF architecture, permuted Q/K, QKV bias, per-head Q/K norm)
@@ -360,7 +360,7 @@ def load_gguf(
     cuts_for: CutsFor | None = None,
 ) -> LoadedWeights:
     """cuts_for: given the model's config, the part of each tensor to read (a tensor-parallel
-    rank's, models/tensor_parallel.py); the rest of those tensors is not read."""
+    rank's, models/sharding.py); the rest of those tensors is not read."""
     gguf_file = read_gguf(path)
     try:
         return _weights_from_gguf(gguf_file, path, dtype, progress, keep_int4_blocks, cuts_for)

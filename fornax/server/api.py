@@ -214,7 +214,7 @@ async def _parse_generation_request(
 
 async def _parse_request(request: Request, model_cls: type[_M]) -> tuple[ServerState, AsyncEngine, _M, str]:
     """Every model route starts here: a bounded body parsed into `model_cls`, the model it
-    names, and that model's engine (loaded if it was not: server/models.py), held until the
+    names, and that model's engine (loaded if it was not: server/model_set.py), held until the
     response ends. Returns (state, engine, parsed request, the name the request used)."""
     state = _state(request)
     req = await parse_body(request, model_cls, state.config.max_body_bytes)  # big bodies: another process
@@ -347,7 +347,7 @@ async def admin_state(request: Request) -> dict[str, Any]:
 
 @router.get("/admin/memory")
 async def admin_memory(request: Request, model: str | None = None) -> dict[str, Any]:
-    """The process's resident memory by owner (engine/memory.py) as `model`'s engine (default:
+    """The process's resident memory by owner (engine/memory_report.py) as `model`'s engine (default:
     the first) sees it, read between its steps."""
     engine = _state(request).models.find(model).engine
     if engine is None or engine.dead_error is not None:

@@ -32,7 +32,7 @@ from fornax.server.auth import Gate, KeyStore
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
-from fornax.server.models import ModelLeases, ModelSet, ServedModel
+from fornax.server.model_set import ModelLeases, ModelSet, ServedModel
 from fornax.server.openapi import install_openapi
 from fornax.server.state import ServerState
 from fornax.server.tenancy import log_tenancy
@@ -50,7 +50,7 @@ DEAD_ENGINE_GRACE_S = 2.0
 
 def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModelConfig]) -> FastAPI:
     """The server for one model (an EngineConfig, served as config.served_model_names) or
-    several (each its ServedModelConfig: its names and engine; server/models.py)."""
+    several (each its ServedModelConfig: its names and engine; server/model_set.py)."""
     if isinstance(models, EngineConfig):
         models = [ServedModelConfig(config.served_model_names, models)]
     served = [

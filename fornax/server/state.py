@@ -1,4 +1,4 @@
-"""What the server knows between requests: its models and their engines (server/models.py),
+"""What the server knows between requests: its models and their engines (server/model_set.py),
 lifecycle flags, the requests in flight, counters and per-key usage.
 
 One `ServerState` lives at `app.state.fornax`. It is also what the metrics read (metrics/):
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fornax.config import EngineConfig, ServerConfig
-from fornax.server.models import ModelSet
+from fornax.server.model_set import ModelSet
 from fornax.server.tenancy import Tenancy
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from fornax.server.auth import key_name, key_role
 from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.limits import check_token_count, check_tokenize_input, message_texts
-from fornax.server.models import ServedModel
+from fornax.server.model_set import ServedModel
 from fornax.server.protocol import TokenizeRequest
 from fornax.server.state import ServerState
 from fornax.server.tenancy import ADMIN, Viewer

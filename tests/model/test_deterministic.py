@@ -151,7 +151,7 @@ def test_variation(reference, default_gguf: Path, variation: str) -> None:
 
 def test_two_tensor_parallel_ranks_give_one_process_bits(reference, default_gguf: Path) -> None:
     """Under tensor parallelism, deterministic mode splits O and down by output channel over
-    gathered inputs (models/tensor_parallel.py, Shard.exact), so every value is computed over
+    gathered inputs (models/sharding.py, Shard.exact), so every value is computed over
     its whole row by one process's kernels in one process's order: two ranks give the
     reference's bits, all 32 requests together, in both weight forms (make run's: int4 from the
     file and int8 x int8, cut per rank). int8 / int4 / float32 forms were checked the same way

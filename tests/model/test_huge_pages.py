@@ -10,7 +10,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers import hugepages
 from fornax.layers.linear import DenseBf16, Linear
-from fornax.layers.memory import resident_bytes
+from fornax.layers.process_memory import resident_bytes
 from tests.model.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not hugepages.HUGE_PAGES_USABLE, reason="no transparent huge pages here")

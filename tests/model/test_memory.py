@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from fornax import LLM, SamplingParams
 from fornax.config import KV_CACHE_MEMORY_FRACTION, default_kv_cache_memory
-from fornax.engine.memory import FORM_NAMES
+from fornax.engine.memory_report import FORM_NAMES
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import Linear
 
@@ -32,7 +32,7 @@ def make_run_llm(default_gguf):
 BREAKDOWN_CHILD = """
 import json, sys
 from fornax import LLM, SamplingParams
-from fornax.layers.memory import release_free_heap
+from fornax.layers.process_memory import release_free_heap
 llm = LLM(sys.argv[1], kv_cache_memory="64MiB", progress=False, quantization="auto", large_step_quantization="w8a8")
 params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 llm.generate(["The capital of France is", "Count from one to ten:"] * 4, params)

@@ -1,4 +1,4 @@
-"""Tensor-parallel shards (fornax/models/tensor_parallel.py) in real processes over gloo on
+"""Tensor-parallel shards (fornax/models/sharding.py) in real processes over gloo on
 loopback: each rank reads only its parts of the safetensors files, builds its slice of the
 model, runs the same prompt through it with its own paged KV cache and the all-reduces, and
 the logits equal the single-process model's in float32 (within 1e-4) on a tiny random model
@@ -27,7 +27,7 @@ from fornax.models import load_model, load_weights
 from fornax.models.llama import KVCache
 from fornax.models.loader import read_cut
 from fornax.models.registry import resolve_model
-from fornax.models.tensor_parallel import (
+from fornax.models.sharding import (
     ShardPlan,
     connect_gloo_groups,
     gloo_shard,

@@ -1,4 +1,4 @@
-"""Several models behind one server (server/models.py): routing by the `model` field, each
+"""Several models behind one server (server/model_set.py): routing by the `model` field, each
 model's own metrics, lazy loading with least-recently-used unloading, and the engines
 sharing one engine thread without OpenMP oversubscription."""
 

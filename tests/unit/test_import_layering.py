@@ -40,11 +40,11 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "fornax.engine": ("fornax.models", "fornax.layers", "fornax.tokenizer", "fornax.config"),
     "fornax.tools": ("fornax.engine",),
     "fornax.quality": ("fornax.engine",),
-    "fornax.outputs": ("fornax.engine", "fornax.tools"),
+    "fornax.request_output": ("fornax.engine", "fornax.tools"),
     "fornax.metrics": ("fornax.engine", "fornax.config"),
-    "fornax.llm": ("fornax.outputs", "fornax.engine_args", "fornax.engine", "fornax.tools", "fornax.tokenizer",
+    "fornax.llm": ("fornax.request_output", "fornax.engine_args", "fornax.engine", "fornax.tools", "fornax.tokenizer",
                    "fornax.config"),
-    "fornax": ("fornax.llm", "fornax.outputs", "fornax.engine"),  # the package's lazy re-exports
+    "fornax": ("fornax.llm", "fornax.request_output", "fornax.engine"),  # the package's lazy re-exports
     "fornax.server": ("fornax", "fornax.metrics", "fornax.engine", "fornax.tools", "fornax.layers",
                       "fornax.tokenizer", "fornax.config"),
     "fornax.router": ("fornax", "fornax.server", "fornax.config"),
@@ -200,7 +200,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | N
 
 
 @pytest.mark.parametrize("module", ["fornax.engine.event_tap", "fornax.engine.events", "fornax.engine.stats",
-                                    "fornax.engine.memory", "fornax.engine.spec_decode.controller",
+                                    "fornax.engine.memory_report", "fornax.engine.spec_decode.controller",
                                     "fornax.engine.spec_decode.draft_model", "fornax.engine.spec_decode.self_draft",
                                     "fornax.engine.spec_decode.ngram"])  # fmt: skip
 def test_what_the_core_hands_its_state_to_never_imports_the_core(module):

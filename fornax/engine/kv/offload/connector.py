@@ -125,5 +125,5 @@ class KVConnector(ABC):
         return None
 
     def memory_tensors(self) -> list[Any]:
-        """The tensors this connector holds in memory (the memory breakdown, engine/memory.py)."""
+        """The tensors this connector holds in memory (the memory breakdown, engine/memory_report.py)."""
         return []

@@ -31,7 +31,7 @@ from torch import nn
 
 from fornax.layers.embedding import FileEmbedding
 from fornax.layers.linear import Linear
-from fornax.layers.memory import file_rss, malloc_stats, process_rss, resident_bytes
+from fornax.layers.process_memory import file_rss, malloc_stats, process_rss, resident_bytes
 from fornax.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:

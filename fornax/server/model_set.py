@@ -170,7 +170,7 @@ class ModelSet:
         await asyncio.to_thread(engine.stop)  # waits for a step of its own to end
         model.metrics.on_model_unloaded()
         del engine
-        from fornax.layers.memory import release_free_heap
+        from fornax.layers.process_memory import release_free_heap
 
         release_free_heap()  # its tensors were freed above: give the pages back now
 
