@@ -37,7 +37,7 @@ from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import DTYPES, load_engine_model, read_model_config
-from fornax.models.llama import KVCache
+from fornax.models.base import KVCache
 from fornax.models.sharding import connect_gloo_groups, gloo_shard, plan_shards
 
 logger = logging.getLogger("fornax.engine")

@@ -16,8 +16,9 @@ from fornax.layers.embedding import FileEmbedding
 from fornax.layers.kernel_plan import FormRequest, Kernels, NoBatchInvariantForm, plan_linear
 from fornax.layers.linear import Int4FileBlocks, Linear
 from fornax.layers.process_memory import release_free_heap
+from fornax.models.base import CausalLM, KVCache
 from fornax.models.gemma3 import Gemma3ForCausalLM
-from fornax.models.llama import KVCache, LlamaForCausalLM
+from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import (
     CutsFor,
     LoadedWeights,
@@ -58,7 +59,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     resolved: ResolvedModel
     metadata: dict[str, Any]  # GGUF metadata ({} for HF directories)
@@ -227,7 +228,7 @@ def weights_on_huge_pages(model: nn.Module) -> None:
 
 
 def build_planned_forms(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     weights: LoadedWeights,
     request: FormRequest,
     kernels: Kernels,

@@ -29,7 +29,8 @@ from fornax.layers.attention import AttentionMetadata
 from fornax.layers.linear import Linear
 from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
-from fornax.models.llama import MLP, Attention, KVCache, LlamaForCausalLM
+from fornax.models.base import KVCache
+from fornax.models.llama import MLP, Attention, LlamaForCausalLM
 
 
 class GemmaRMSNorm(nn.Module):

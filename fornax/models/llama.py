@@ -16,42 +16,12 @@ from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata, paged_attention
-from fornax.layers.kv_pool import LayerKV, bytes_per_token
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.linear import Linear
 from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
-
-
-class KVCache:
-    """Per-layer K and V pools (layers/kv_pool.py): [num_blocks * block_size, num_kv_heads, head_dim]
-    each, in the model's dtype or (kv_cache_dtype "int8") as int8 rows with scales."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        num_slots = num_blocks * block_size
-        self.layers = LayerKV.allocate_layers(
-            config.num_hidden_layers,
-            num_slots,
-            config.num_key_value_heads,
-            config.head_dim,
-            dtype,
-            kv_cache_dtype,
-        )
-        self.num_blocks, self.block_size, self.kv_cache_dtype = num_blocks, block_size, kv_cache_dtype
-
-    @staticmethod
-    def bytes_per_block(
-        config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
-    ) -> int:
-        per_token = bytes_per_token(config.num_key_value_heads, config.head_dim, dtype, kv_cache_dtype)
-        return per_token * block_size * config.num_hidden_layers
+from fornax.models.base import KVCache
 
 
 class Attention(nn.Module):

@@ -32,7 +32,8 @@ from fornax.layers.native import (
     step_rows,
 )
 from fornax.layers.native import data_ptr_or_none as _ptr
-from fornax.models.llama import KVCache, LlamaForCausalLM
+from fornax.models.base import KVCache
+from fornax.models.llama import LlamaForCausalLM
 
 
 def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:

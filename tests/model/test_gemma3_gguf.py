@@ -9,7 +9,7 @@ import torch
 
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
-from fornax.models.llama import KVCache
+from fornax.models.base import KVCache
 from tests.hf_reference import one_gguf_parse
 
 PROMPTS = [

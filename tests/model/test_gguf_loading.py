@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.models import load_model
-from fornax.models.llama import KVCache
+from fornax.models.base import KVCache
 from fornax.models.loader import ModelLoadError, load_gguf
 from fornax.models.registry import ModelSourceError, resolve_model
 from tests.model.tiny_models import build_tiny_model

@@ -24,7 +24,7 @@ from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models import load_model, load_weights
-from fornax.models.llama import KVCache
+from fornax.models.base import KVCache
 from fornax.models.loader import read_cut
 from fornax.models.registry import resolve_model
 from fornax.models.sharding import (

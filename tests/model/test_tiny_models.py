@@ -8,7 +8,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import load_paged_attention
-from fornax.models.llama import KVCache
+from fornax.models.base import CausalLM, KVCache
 from tests.model.tiny_models import build_tiny_model
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
@@ -29,6 +29,7 @@ def tiny(request, tmp_path_factory):
 
 def test_config_mapped(tiny):
     arch, _hf, llm = tiny
+    assert isinstance(llm.engine.runner.model, CausalLM)  # the interface the engine calls
     cfg = llm.engine.model_config
     assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
     assert cfg.attention_bias == (arch == "qwen2")

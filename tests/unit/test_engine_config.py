@@ -57,7 +57,7 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_command_line():
 
     from fornax.cli import build_parser
     from fornax.config import CacheConfig, ModelConfig
-    from fornax.models.llama import KVCache
+    from fornax.models.base import KVCache
 
     assert CacheConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8"):

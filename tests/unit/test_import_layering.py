@@ -306,7 +306,7 @@ def test_the_internals_scan_finds_reads_and_spares_other_objects():
 BACK_IMPORTS = [
     ("fornax.cluster.cli", "from fornax.cli import build_parser"),  # the cluster borrowed serve's flags
     ("fornax.tokenizer", "from fornax.models.loader import read_gguf"),  # torch for a tokenizer
-    ("fornax.layers.linear", "from fornax.models.llama import KVCache"),
+    ("fornax.layers.linear", "from fornax.models.base import KVCache"),
     ("fornax.models.llama", "from fornax.engine.spec_decode import TargetInfo"),
     ("fornax.models.llama", "from fornax.tools import ToolCall"),
     ("fornax.engine.core", "from fornax.server.app import serve"),

@@ -25,7 +25,7 @@ from fornax.layers.kernel_plan import describe as describe_kernels
 from fornax.layers.linear import Linear
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
-from fornax.models.llama import KVCache, LlamaForCausalLM
+from fornax.models.base import CausalLM, KVCache
 from fornax.models.native_step import NativeStep
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ModelConfig,
         num_blocks: int,
         block_size: int,

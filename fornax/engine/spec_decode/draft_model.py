@@ -24,7 +24,7 @@ from fornax.engine.spec_decode import TargetInfo, register_proposer
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.native import PagedAttentionKernel
 from fornax.layers.ops import layer_ops
-from fornax.models.llama import KVCache, LlamaForCausalLM
+from fornax.models.base import CausalLM, KVCache
 
 # A prompt token in a prefill chunk costs ~1/40 of a one-token decode step: a chunk's rows
 # share one read of the weights (benchmarks/spec_decode.py; docs/speculative-decoding.md).
@@ -43,7 +43,7 @@ class _DraftSeq:
 class DraftModelProposer:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: ModelConfig,
         num_blocks: int,
         block_size: int,

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from fornax.engine.request import Request
-    from fornax.models.llama import KVCache
+    from fornax.models.base import KVCache
 
 
 @dataclass
