@@ -3,7 +3,7 @@
 The engine flags of every command that runs an engine (`fornax generate | chat | memory |
 serve`, and `fornax cluster up`, which hands serve's flags on to its replicas) and the keyword
 arguments of `LLM(...)` are both built from this one dataclass, so they are the same set by
-construction. The defaults are read from the frozen configs (fornax/config.py, the only home
+construction. The defaults are read from the frozen configs (fornax/config/, the only home
 of defaults); `create_engine_config()` turns the arguments into the EngineConfig an engine is
 built from.
 """

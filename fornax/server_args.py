@@ -4,7 +4,7 @@ The engine's settings are EngineArgs' (engine_args.py); `add_serve_args` puts bo
 parser in the order the help has always read. `fornax serve` turns the namespace into a
 ServerConfig (`create_server_config`), and `fornax cluster up` renders the settings it passes
 on to each replica from the same fields (`as_argv`), so a flag added here reaches the
-replicas without a second list. The defaults are ServerConfig's (config.py, their one home).
+replicas without a second list. The defaults are ServerConfig's (fornax/config/server.py, their one home).
 """
 
 from __future__ import annotations
