@@ -18,15 +18,14 @@ from fornax.layers.linear import Int4FileBlocks, Linear
 from fornax.layers.process_memory import release_free_heap
 from fornax.models.base import CausalLM, KVCache
 from fornax.models.gemma3 import Gemma3ForCausalLM
+from fornax.models.hf_dir import hf_model_config, load_hf_dir
 from fornax.models.llama import LlamaForCausalLM
 from fornax.models.loader import (
     CutsFor,
     LoadedWeights,
     ModelLoadError,
     gguf_model_config,
-    hf_model_config,
     load_gguf,
-    load_hf_dir,
     read_gguf,
 )
 from fornax.models.registry import ModelSourceError, ResolvedModel, resolve_model

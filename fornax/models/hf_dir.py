@@ -1,0 +1,121 @@
+"""Weights and config from a Hugging Face directory (config.json and safetensors shards), in
+the same HF names and layouts the GGUF loader (models/loader.py) gives."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from fornax.config import ConfigError, ModelConfig
+from fornax.models.loader import (
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA3_SLIDING_PATTERN,
+    SUPPORTED_HF_ARCHITECTURES,
+    CutsFor,
+    LoadedWeights,
+    ModelLoadError,
+    check_tensor_set,
+)
+from fornax.models.sharding import take_cut
+
+
+def hf_model_config(hf_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {exc}") from None
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_HF_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_HF_ARCHITECTURES))
+        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {supported})")
+    gemma = arch == "Gemma3ForCausalLM"
+    # transformers 5 nests RoPE settings in `rope_parameters` (Gemma 3: one dict per layer
+    # type); older files use flat keys.
+    rope_parameters = raw.get("rope_parameters") or {}
+    local_rope = None
+    if gemma and "full_attention" in rope_parameters:
+        local_rope = rope_parameters.get("sliding_attention") or {}
+        rope_parameters = rope_parameters["full_attention"] or {}
+    rope = dict(rope_parameters or raw.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"unsupported rope_type {rope_type!r}")
+    heads = int(raw["num_attention_heads"])
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma ties unless told
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            name=hf_dir.name,
+            **(_gemma3_hf_config(raw, local_rope) if gemma else {}),
+        )
+    except (KeyError, ConfigError) as exc:
+        raise ModelLoadError(f"bad config.json in {hf_dir}: {exc}") from None
+
+
+def _gemma3_hf_config(raw: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(
+        raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN
+    )
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+    local_theta = (
+        (local_rope or {}).get("rope_theta") or raw.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA
+    )
+    return {
+        "layer_types": tuple(types),
+        "rope_local_theta": float(local_theta),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or raw.get("head_dim") or 256),
+        "final_logit_softcapping": raw.get("final_logit_softcapping"),
+    }
+
+
+def load_hf_dir(
+    hf_dir: Path, dtype: torch.dtype, progress: bool = True, cuts_for: CutsFor | None = None
+) -> LoadedWeights:
+    """cuts_for: as load_gguf's; safetensors reads only those parts from its memory map."""
+    from safetensors import SafetensorError, safe_open
+
+    config = hf_model_config(hf_dir)
+    cuts = cuts_for(config) if cuts_for is not None else {}
+    tensors: dict[str, torch.Tensor] = {}
+    shards = sorted(hf_dir.glob("*.safetensors"))
+    for shard in tqdm(
+        shards, desc=f"loading {hf_dir.name}", unit="shard", disable=not progress, file=sys.stderr
+    ):
+        try:
+            with safe_open(str(shard), framework="pt") as file:
+                for name in file.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    cut = cuts.get(name)
+                    tensor = file.get_tensor(name) if cut is None else take_cut(file.get_slice(name), cut)
+                    tensors[name] = tensor.to(dtype)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {shard}: {exc}") from None
+    if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
+        config = replace(config, tie_word_embeddings=True)
+    check_tensor_set(config, tensors)
+    return LoadedWeights(config=config, tensors=tensors, metadata={})
