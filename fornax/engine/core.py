@@ -21,6 +21,7 @@ from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
+from fornax.engine.executor import Executor, LocalExecutor, make_executor
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
@@ -36,7 +37,6 @@ from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from fornax.engine.kv.offload.tiered import OffloadStats
-    from fornax.engine.tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger("fornax.engine")
 
@@ -58,8 +58,9 @@ class EngineCore:
         config: EngineConfig,
         loaded: LoadedModel,
         tokenizer: Tokenizer,
-        tensor_parallel: TensorParallelGroup | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        self.executor = executor = executor or LocalExecutor()  # how steps run beyond this process
         self.config, self.model_config, self.tokenizer = config, loaded.config, tokenizer
         dtype = DTYPES[config.dtype]
         cache = config.cache
@@ -85,7 +86,7 @@ class EngineCore:
             config.kernel_backend,
             cache.kv_cache_dtype,
             deterministic=config.deterministic,
-            tensor_parallel=tensor_parallel,
+            executor=executor,
         )
         self.kernels = self.runner.kernels  # what runs here, in one line (layers/kernel_plan.py)
         logger.info("%s", self.kernels)
@@ -95,13 +96,13 @@ class EngineCore:
 
             connector = build_connector(config, loaded)
             self.runner.kv_connector = connector
-        if tensor_parallel is not None:  # the workers allocate as many blocks and slots for their heads
-            tensor_parallel.share_sizes(num_blocks, 0 if connector is None else connector.num_host_slots)
+        # other ranks allocate as many blocks and slots for their heads
+        executor.share_sizes(num_blocks, 0 if connector is None else connector.num_host_slots)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
                                    swap=config.offload.swap)  # fmt: skip
         self.spec = _build_spec(
             config, loaded, num_blocks, max_len, self.runner.attention_kernel,
-            draft_step=None if tensor_parallel is None else tensor_parallel.send_draft_step,
+            draft_step=executor.draft_step_to_ranks,
         )  # fmt: skip
         # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
         self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
@@ -490,14 +491,9 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
     from fornax.models import load_engine_model
 
     # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
-    world = config.tensor_parallel_size
     torch.set_num_threads(config.threads_per_process())
-    group = None
-    if world > 1:  # the workers load their slices while this process loads rank 0's
-        from fornax.engine.tensor_parallel import TensorParallelGroup
-
-        group = TensorParallelGroup(config)
-    loaded = load_engine_model(config, progress, shard=None if group is None else group.shard)
+    executor = make_executor(config)  # worker ranks, if any, load their slices meanwhile
+    loaded = load_engine_model(config, progress, shard=executor.shard)
     heap_before = malloc_stats()
     if loaded.resolved.gguf_path is not None:
         tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
@@ -508,7 +504,7 @@ def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore
         assert loaded.resolved.hf_dir is not None
         tokenizer = Tokenizer.from_pretrained_dir(loaded.resolved.hf_dir)
     heap_after = malloc_stats()
-    core = EngineCore(config, loaded, tokenizer, group)
+    core = EngineCore(config, loaded, tokenizer, executor)
     if heap_before is not None and heap_after is not None:  # the memory breakdown's tokenizer line
         core.tokenizer_bytes = max(0, heap_after.in_use - heap_before.in_use)
     # What loading left (modules, weights' wrappers, the vocabulary) lives as long as the engine;

@@ -53,8 +53,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class TensorParallelGroup:
-    """Rank 0's side: the worker processes, the group, and the per-step broadcast."""
+class TensorParallelExecutor:
+    """Rank 0's side (an engine/executor.py Executor): the worker processes, the group, and the
+    per-step broadcast."""
+
+    runs_native_step = False  # its one C call would skip the layers' all-reduces
 
     # What a spawned worker process runs, when not run_worker (a test gives one that fails).
     worker_main: Callable[[EngineConfig, int, str], None] | None = None
@@ -83,6 +86,7 @@ class TensorParallelGroup:
         # rank 0's own bound on sending a header: a worker that is alive but stuck never takes it
         self.timeout = timedelta(seconds=config.distributed_timeout)
         self.shard = gloo_shard(self.group, 0, exact=config.deterministic)  # rank 0's slice is this process's
+        self.draft_step_to_ranks = self.send_draft_step
         self.closed = False
         atexit.register(self.close)  # workers stop with the engine process (they are daemons too)
 

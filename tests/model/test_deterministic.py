@@ -161,7 +161,7 @@ def test_two_tensor_parallel_ranks_give_one_process_bits(reference, default_gguf
     try:
         got = _run(llm, prompts, range(len(prompts)))
     finally:
-        llm.engine.runner.tensor_parallel.close()
+        llm.engine.executor.close()
     assert not _differences(got, want), f"{form}, TP=2"
 
 

@@ -136,7 +136,7 @@ def test_exact_layout_gives_one_process_bits(tiny_sources, arch, world):
     try:
         assert run(tp) == want
     finally:
-        tp.engine.runner.tensor_parallel.close()
+        tp.engine.executor.close()
 
 
 def _config(heads: int, kv_heads: int, inter: int = 1536) -> ModelConfig:

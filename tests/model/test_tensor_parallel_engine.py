@@ -18,7 +18,7 @@ import pytest
 
 from fornax import LLM, SamplingParams
 from fornax.config import ConfigError
-from fornax.engine.tensor_parallel import TensorParallelGroup
+from fornax.engine.tensor_parallel import TensorParallelExecutor
 from tests.engine import PARAGRAPHS
 
 pytestmark = pytest.mark.slow
@@ -102,26 +102,26 @@ def test_an_idle_engine_keeps_its_workers(default_gguf):
     first = llm.generate(["Hello"], params)[0].outputs[0].token_ids
     time.sleep(4)
     assert llm.generate(["Hello"], params)[0].outputs[0].token_ids == first
-    (worker,) = llm.engine.runner.tensor_parallel.workers
+    (worker,) = llm.engine.executor.workers
     assert worker.is_alive()
 
 
 def test_a_start_up_longer_than_the_collective_timeout_keeps_its_workers(default_gguf, monkeypatch):
     """The worker that loaded its slice first waits for rank 0's KV sizing however long rank 0's
     start-up takes (a kernel build, a slow disk): the collective timeout bounds steps, not that."""
-    share_sizes = TensorParallelGroup.share_sizes
+    share_sizes = TensorParallelExecutor.share_sizes
 
     def slow_share_sizes(self, num_blocks: int, host_slots: int) -> None:
         time.sleep(4)
         share_sizes(self, num_blocks, host_slots)
 
-    monkeypatch.setattr(TensorParallelGroup, "share_sizes", slow_share_sizes)
+    monkeypatch.setattr(TensorParallelExecutor, "share_sizes", slow_share_sizes)
     llm = LLM(
         str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=2
     )
     params = SamplingParams(max_tokens=4, temperature=0.0)
     assert len(llm.generate(["Hello"], params)[0].outputs[0].token_ids) == 4
-    (worker,) = llm.engine.runner.tensor_parallel.workers
+    (worker,) = llm.engine.executor.workers
     assert worker.is_alive()
 
 
@@ -131,7 +131,7 @@ def test_a_stuck_worker_fails_the_engine_within_the_timeout(default_gguf):
     llm = LLM(
         str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=3
     )
-    (worker,) = llm.engine.runner.tensor_parallel.workers
+    (worker,) = llm.engine.executor.workers
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
@@ -147,7 +147,7 @@ def test_a_dead_worker_fails_the_engine(default_gguf):
     llm = LLM(
         str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout=20
     )
-    (worker,) = llm.engine.runner.tensor_parallel.workers
+    (worker,) = llm.engine.executor.workers
     worker.kill()
     worker.join()
     start = time.monotonic()
@@ -162,7 +162,7 @@ def _exit_before_joining(config, rank, init) -> None:
 
 def test_a_worker_that_dies_before_joining_fails_at_once(default_gguf, monkeypatch):
     """Not after the rendezvous store's timeout (60 s here)."""
-    monkeypatch.setattr(TensorParallelGroup, "worker_main", staticmethod(_exit_before_joining))
+    monkeypatch.setattr(TensorParallelExecutor, "worker_main", staticmethod(_exit_before_joining))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="fornax-tp-1 exited with code 3 before joining"):
         LLM(str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2)
@@ -220,12 +220,12 @@ def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
         llm = LLM(
             str(default_gguf), dtype="float32", progress=False, tensor_parallel_size=2, distributed_init=init
         )
-        assert llm.engine.runner.tensor_parallel.workers == []  # none spawned here
+        assert llm.engine.executor.workers == []  # none spawned here
         got = llm.generate(_prompts()[:3], SamplingParams(max_tokens=12, temperature=0.0))
         single = LLM(str(default_gguf), dtype="float32", progress=False)
         want = single.generate(_prompts()[:3], SamplingParams(max_tokens=12, temperature=0.0))
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        llm.engine.runner.tensor_parallel.close()
+        llm.engine.executor.close()
         assert worker.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()[-2000:]
     finally:
         if worker.poll() is None:

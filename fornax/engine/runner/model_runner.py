@@ -6,12 +6,11 @@ indices, masks) is built here once, in bulk; the layers only index with it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from fornax.config import ModelConfig
+from fornax.engine.executor import Executor, LocalExecutor
 from fornax.engine.kv.offload.connector import KVConnector
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request
@@ -28,9 +27,6 @@ from fornax.layers.ops import layer_ops
 from fornax.models.base import CausalLM, KVCache
 from fornax.models.native_step import NativeStep
 
-if TYPE_CHECKING:
-    from fornax.engine.tensor_parallel import TensorParallelGroup
-
 
 class ModelRunner:
     def __init__(
@@ -43,8 +39,10 @@ class ModelRunner:
         kernel_backend: str = "native",
         kv_cache_dtype: str = "auto",
         deterministic: bool = False,
-        tensor_parallel: TensorParallelGroup | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        # where other processes follow each step (engine/executor.py); called unconditionally
+        self.executor = executor = executor or LocalExecutor()
         self.model, self.config, self.block_size = model, config, block_size
         self.deterministic = deterministic
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, kv_cache_dtype)
@@ -56,8 +54,7 @@ class ModelRunner:
             )
         model.use_ops(layer_ops(kernel_backend, dtype))
         # Small steps in one native call where the model's forms allow (models/native_step.py).
-        # (not under tensor parallelism: the one native call would skip the layers' all-reduces)
-        native = kernel_backend == "native" and tensor_parallel is None
+        native = kernel_backend == "native" and executor.runs_native_step
         self.native_step = NativeStep.build(model, self.kv_cache) if native else None
         # What runs, in one line (layers/kernel_plan.py): the start-up log and /v1/models say it.
         kv = "int8" if self.kv_cache.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
@@ -65,7 +62,6 @@ class ModelRunner:
         head = getattr(model, "lm_head", None)
         decoder = [m for m in model.modules() if isinstance(m, Linear) and m is not head]
         self.kernels = describe_kernels([m.plan for m in decoder], attention)
-        self.tensor_parallel = tensor_parallel  # rank 0's side of the group: the per-step broadcast
         self.sampler = Sampler()
         self.masks = MaskWorker(config.vocab_size)  # constrained decoding (engine/structured)
         # Per-request RNGs live as long as the request (across preemptions), so a seeded
@@ -80,8 +76,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if sched.kv_transfers is not None:  # before the forward: it may write over saved blocks
             assert self.kv_connector is not None
-            if self.tensor_parallel is not None:  # each rank copies its own heads' part
-                self.tensor_parallel.send_transfers(sched.kv_transfers)
+            self.executor.send_transfers(sched.kv_transfers)  # each rank copies its own heads' part
             self.kv_connector.start_load_kv(sched.kv_transfers, self.kv_cache)
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
@@ -98,8 +93,7 @@ class ModelRunner:
             deterministic=self.deterministic,
         )
         pending_masks = self.masks.start(items)  # filled while the forward runs
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.send_step(input_ids, positions, spans)
+        self.executor.send_step(input_ids, positions, spans)
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
             hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
         else:
