@@ -70,12 +70,12 @@ class TimedTap(EventTap):
 
     spent_s = 0.0
 
-    def on_schedule(self, core, sched) -> None:  # type: ignore[no-untyped-def]
+    def on_schedule(self, core, sched) -> None:
         start = time.perf_counter()
         super().on_schedule(core, sched)
         TimedTap.spent_s += time.perf_counter() - start
 
-    def on_outputs(self, core, outputs) -> None:  # type: ignore[no-untyped-def]
+    def on_outputs(self, core, outputs) -> None:
         start = time.perf_counter()
         super().on_outputs(core, outputs)
         TimedTap.spent_s += time.perf_counter() - start
@@ -107,7 +107,7 @@ def run_once(llm: LLM, mode: str, prompts: list[list[int]], params: SamplingPara
              tap: object) -> tuple[float, int]:  # fmt: skip
     """Output tokens/s of one pass over the workload in `mode`, and the events published."""
     core = llm.engine
-    core.event_tap = None if mode == "absent" else tap  # type: ignore[assignment]
+    core.event_tap = None if mode == "absent" else tap
     watcher = Watcher(llm) if mode == "watched" else None
     published = core.events.num_published
     try:
@@ -117,7 +117,7 @@ def run_once(llm: LLM, mode: str, prompts: list[list[int]], params: SamplingPara
     finally:
         if watcher is not None:
             watcher.close()
-        core.event_tap = tap  # type: ignore[assignment]
+        core.event_tap = tap
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return tokens / elapsed, core.events.num_published - published
 

@@ -808,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             print(f"soak: {exc}", file=sys.stderr)
             return 2
-    url = args.url or server.url  # type: ignore[union-attr]
+    url = args.url or server.url
     pid = args.pid or (server.proc.pid if server else None)
     try:
         report = run_soak(url, args.requests, args.concurrency, disconnect_fraction=args.disconnect_fraction,

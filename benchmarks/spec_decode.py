@@ -57,7 +57,7 @@ PROPOSERS: dict[str, dict | None] = {
 }
 
 
-def _decode_rate(out) -> float:  # type: ignore[no-untyped-def]
+def _decode_rate(out) -> float:
     n = len(out.outputs[0].token_ids) - 1
     return n / out.timings["decode_s"] if n > 0 and out.timings["decode_s"] > 0 else 0.0
 
@@ -75,7 +75,7 @@ def _batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[s
     return {"tok_s": tokens / (last - first)} | _spec_stats(outs)
 
 
-def _spec_stats(outs) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _spec_stats(outs) -> dict[str, float]:
     acc = [o.timings["spec_acceptance_rate"] for o in outs if "spec_acceptance_rate" in o.timings]
     mal = [o.timings["spec_mean_accepted_len"] for o in outs if "spec_mean_accepted_len" in o.timings]
     return {

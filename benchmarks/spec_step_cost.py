@@ -34,7 +34,7 @@ def time_decode_steps(llm: LLM) -> dict[int, list[float]]:
     times: dict[int, list[float]] = defaultdict(list)
     current = {"rows": 0, "decode": False}
 
-    def timed_schedule():  # type: ignore[no-untyped-def]
+    def timed_schedule():
         out = schedule()
         current["rows"] = out.num_batched_tokens
         current["decode"] = all(
@@ -42,7 +42,7 @@ def time_decode_steps(llm: LLM) -> dict[int, list[float]]:
         )
         return out
 
-    def timed_step():  # type: ignore[no-untyped-def]
+    def timed_step():
         start = time.perf_counter()
         result = step()
         if current["decode"]:
@@ -66,9 +66,9 @@ def main() -> None:
     large = None if args.large_step_quantization == "none" else args.large_step_quantization
     common = {"progress": False, "kv_cache_memory": "512MiB", "quantization": quant,
               "large_step_quantization": large}  # fmt: skip
-    plain = LLM(args.model, **common)  # type: ignore[arg-type]
+    plain = LLM(args.model, **common)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "row_cost": 0.0, "disable_by_batch_size": 0}
-    verify = LLM(args.model, speculative_config=spec, **common)  # type: ignore[arg-type]
+    verify = LLM(args.model, speculative_config=spec, **common)
     tok = plain.get_tokenizer()
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)

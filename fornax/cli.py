@@ -12,10 +12,15 @@ import importlib
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fornax.config import DEFAULT_MODEL, ConfigError, ServedModelConfig
 from fornax.engine_args import EngineArgs
 from fornax.server_args import ServerArgs, add_serve_args, serve_models, served_names
+
+if TYPE_CHECKING:  # the model modules load torch: only when a command runs one
+    from fornax.engine.request import SamplingParams
+    from fornax.llm import LLM
 
 # The engine flags of generate and chat, less --seed: there it is the request's (sampling) seed.
 _SAMPLING_COMMAND_EXCLUDES = ("seed",)
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from fornax.engine.request import SamplingParams
 
     return SamplingParams(
@@ -79,7 +84,7 @@ def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def _llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _llm(args: argparse.Namespace) -> LLM:
     from fornax.llm import LLM
 
     return LLM(**EngineArgs.from_cli_args(args).as_kwargs())
@@ -92,7 +97,7 @@ def cmd_pull(args: argparse.Namespace) -> None:
     print(resolved.gguf_path or resolved.hf_dir)
 
 
-def _stream(llm, prompt_ids: list[int], params) -> str:  # type: ignore[no-untyped-def]
+def _stream(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> str:
     """Print tokens as they are produced; return the whole text."""
     text, start, n = "", time.perf_counter(), 0
     for out in llm.stream(prompt_ids, params):

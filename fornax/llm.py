@@ -109,7 +109,7 @@ class LLM:
                 tools=template_tools,
                 tokenize=True,
             )
-            for conv in conversations  # type: ignore[union-attr]
+            for conv in conversations
         ]
         params = _as_params_list(sampling_params, len(prompts))
         forced = plan.forced_constraint()  # the grammar makes a forced call's arguments valid
@@ -154,7 +154,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
-    return prompts  # type: ignore[return-value]
+    return prompts
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

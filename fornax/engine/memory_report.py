@@ -130,7 +130,7 @@ def engine_tensors(runner: ModelRunner, proposer: object | None) -> list[tuple[s
     draft = getattr(proposer, "model", None)  # the draft-model proposers own a model and its KV
     if isinstance(draft, nn.Module):
         out += weight_tensors(draft, "draft model")
-        draft_layers = proposer.kv_cache.layers  # type: ignore[union-attr]
+        draft_layers = proposer.kv_cache.layers
         out += [("draft model KV pools", t) for layer in draft_layers for t in layer.tensors()]
     return out
 

@@ -112,8 +112,8 @@ class TensorParallelExecutor:
                     "before joining the group"
                 )
         if "error" in result:
-            raise result["error"]  # type: ignore[misc]
-        return result["groups"]  # type: ignore[return-value]
+            raise result["error"]
+        return result["groups"]
 
     def share_sizes(self, num_blocks: int, host_slots: int) -> None:
         """Rank 0 sized the KV cache and the host tier (0: none); every rank allocates that many

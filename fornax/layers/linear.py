@@ -382,7 +382,7 @@ class Linear(nn.Module):
 
     def shape(self, **file: object) -> kp.LinearShape:
         """This Linear as plan_linear sees it; `file`: LinearShape's fields on the file's tensors."""
-        return kp.LinearShape(self.in_features, self._dense().dtype, **file)  # type: ignore[arg-type]
+        return kp.LinearShape(self.in_features, self._dense().dtype, **file)
 
     def _dense(self) -> torch.Tensor:
         if self.weight is None:

@@ -154,7 +154,7 @@ class Metrics:
         """KV tiers (engine/kv/offload): zero unless the engine has them."""
         reg = self.registry
 
-        def labelled(kind: type, name: str, doc: str, label: str, values: tuple[str, ...], **kw):  # type: ignore[no-untyped-def]
+        def labelled(kind: type, name: str, doc: str, label: str, values: tuple[str, ...], **kw: Any) -> Any:
             metric = kind(f"fornax:{name}", doc, ["model_name", label], registry=reg, **kw)
             return {v: metric.labels(model_name, v) for v in values}
 
@@ -308,7 +308,7 @@ def render_all(metrics: list[Metrics]) -> bytes:
                     family.name, family.documentation, family.type, family.unit
                 )
             merged.samples.extend(family.samples)
-    return generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]
+    return generate_latest(_Families(list(families.values())))
 
 
 class _Families:

@@ -26,6 +26,7 @@ from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata
+from fornax.layers.kv_pool import LayerKV
 from fornax.layers.linear import Linear
 from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
@@ -79,7 +80,13 @@ class Gemma3DecoderLayer(nn.Module):
     def norms(self) -> dict[str, GemmaRMSNorm]:
         return {n: getattr(self, n) for n in NORM_NAMES}
 
-    def forward(self, x, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """x: the residual stream [T, hidden] -> the stream after this layer."""
         a = self.self_attn(self.input_layernorm(x), cos_sin, kv, meta)
         x = x + self.post_attention_layernorm(a)

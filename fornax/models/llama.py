@@ -83,7 +83,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, residual, cos_sin, kv, meta):  # type: ignore[no-untyped-def]
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (its MLP's), residual: the stream before it (None at the
         first layer). Returns the same pair for the next layer, so that each residual add is
         fused with the norm that follows it: residual + x is exactly the old `h = x + ...`."""

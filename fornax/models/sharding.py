@@ -162,7 +162,7 @@ def take_cut(t: Any, cut: Cut) -> Any:
 def row_parallel_linears(model: nn.Module) -> list[Linear]:
     """The projections whose outputs are partial sums on each rank: attention O and MLP down."""
     found = []
-    for layer in model.layers:  # type: ignore[union-attr]
+    for layer in model.layers:
         found += [layer.self_attn.o_proj, layer.mlp.down_proj]
     return found
 
@@ -185,7 +185,7 @@ def split_row_layers_by_output(
     """The exact layout (Shard.exact): O and down as Linears over the whole input and the rank's
     hidden channels, in place of the input-split ones the model class built (before loading)."""
     d, width = config.head_dim, len(plan.hidden)
-    for layer in model.layers:  # type: ignore[union-attr]
+    for layer in model.layers:
         layer.self_attn.o_proj = Linear(config.num_attention_heads * d, width, False, dtype)
         layer.mlp.down_proj = Linear(config.intermediate_size, width, False, dtype)
 
@@ -204,7 +204,7 @@ def install_gathers(model: nn.Module, config: ModelConfig, world: int, all_gathe
     def gather_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
         return all_gather(output, hidden_widths)
 
-    for layer in model.layers:  # type: ignore[union-attr]
+    for layer in model.layers:
         for linear, widths in ((layer.self_attn.o_proj, head_widths), (layer.mlp.down_proj, channel_widths)):
             linear.register_forward_pre_hook(gather_input(widths))
             linear.register_forward_hook(gather_output)

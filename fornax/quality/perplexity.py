@@ -18,6 +18,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CORPUS_PATH = Path("/usr/share/common-licenses/GPL-3")
 CORPUS_SHA256 = "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986"
@@ -48,7 +49,7 @@ class PerplexityResult:
     num_windows: int
 
 
-def perplexity(llm, text: str, window: int = 512, max_windows: int | None = None) -> PerplexityResult:  # type: ignore[no-untyped-def]
+def perplexity(llm: Any, text: str, window: int = 512, max_windows: int | None = None) -> PerplexityResult:
     """Perplexity of `llm` (a fornax.LLM) on `text`, in non-overlapping windows of `window` tokens."""
     from fornax.engine.request import SamplingParams
 

@@ -10,7 +10,7 @@ from fornax.router.config import RouterConfig, parse_dns, parse_replica, parse_t
 from fornax.router.policies import policy_names
 
 
-def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d = RouterConfig()
     p = sub.add_parser("router", help="route OpenAI requests over several fornax replicas")
     p.add_argument(

@@ -210,5 +210,5 @@ class RelayResponse(StreamingResponse):
             await super().stream_response(send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()
                 await self.upstream.close(CLIENT_GONE)

@@ -271,7 +271,7 @@ class SSEResponse(StreamingResponse):
             await super().stream_response(send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()
 
 
 def sse_stream(chunks: Any) -> StreamingResponse:

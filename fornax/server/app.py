@@ -192,7 +192,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
-    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+    async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 

@@ -169,7 +169,7 @@ def unpack(packed: Packed, model_cls: type[M]) -> M:
     """The worker's model with its fields rebuilt: the same object parse_raw returns here."""
     assert type(packed.model) is model_cls, (type(packed.model), model_cls)
     values = {name: _unpack_value(value) for name, value in packed.fields.items()}
-    return packed.model.model_copy(update=values) if values else packed.model  # type: ignore[return-value]
+    return packed.model.model_copy(update=values) if values else packed.model
 
 
 def _unpack_value(value: IdList | IdLists | Chunks) -> list[Any] | dict[str, Any]:

@@ -54,7 +54,7 @@ def install_openapi(app: FastAPI, model_names: tuple[str, ...]) -> None:
             app.openapi_schema = _build(app, model_names)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi
 
 
 def _build(app: FastAPI, model_names: tuple[str, ...]) -> dict[str, Any]:

@@ -248,7 +248,7 @@ def _hpa(m: Manifests) -> dict:
 
 
 def put(obj: dict | list, key: str | int, value: object) -> None:
-    obj[key] = value  # type: ignore[index]
+    obj[key] = value
 
 
 def _query(query: str) -> Callable[[Manifests], None]:

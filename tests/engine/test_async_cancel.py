@@ -40,7 +40,7 @@ async def _idle(engine: AsyncEngine) -> tuple[bool, float]:
             break
         await asyncio.sleep(0.01)
 
-    def read(core) -> tuple[bool, float]:  # type: ignore[no-untyped-def]
+    def read(core) -> tuple[bool, float]:
         core.check_integrity()
         return core.has_unfinished_requests(), core.kv_cache_usage
 

@@ -73,7 +73,7 @@ def test_a_failing_event_tap_is_detached(llm: LLM) -> None:
         def broken(*args: object) -> None:
             raise RuntimeError("injected tap fault")
 
-        core.event_tap.on_outputs = broken  # type: ignore[union-attr, method-assign]
+        core.event_tap.on_outputs = broken
         out = llm.generate([_prompts(llm)[0]], GREEDY)[0]
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
         assert core.event_tap is None
@@ -122,7 +122,7 @@ def test_a_dead_engine_fails_every_waiter_at_once(default_gguf) -> None:
             raise RuntimeError("injected engine fault")
         return real_execute(sched)
 
-    core.runner.execute = execute  # type: ignore[method-assign]
+    core.runner.execute = execute
 
     async def scenario() -> None:
         engine = AsyncEngine(core)

@@ -168,7 +168,7 @@ def test_dns_discovery_adds_and_drains() -> None:
     dns = DnsDiscovery((DnsSpec("svc", 8000, (("tag", "long"),)),), replicas, resolver)
     asyncio.run(dns.sync())
     assert sorted(replicas.urls()) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.9:8000"]
-    assert replicas.get("http://10.0.0.2:8000").tags == {"tag": "long"}  # type: ignore[union-attr]
+    assert replicas.get("http://10.0.0.2:8000").tags == {"tag": "long"}
     asyncio.run(dns.sync())
     assert sorted(replicas.urls()) == ["http://10.0.0.1:8000", "http://10.0.0.3:8000", "http://10.0.0.9:8000"]
     asyncio.run(dns.sync())

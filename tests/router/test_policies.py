@@ -24,7 +24,7 @@ def chat(text: str) -> RouteRequest:
 
 
 def policy(name: str, **kw: object) -> object:
-    return make_policy(RouterConfig(policy=name, **kw))  # type: ignore[arg-type]
+    return make_policy(RouterConfig(policy=name, **kw))
 
 
 def test_registry() -> None:
@@ -36,7 +36,7 @@ def test_registry() -> None:
 def test_round_robin() -> None:
     p = policy("round-robin")
     reps = [replica("a"), replica("b"), replica("c")]
-    picks = [p.choose(chat("x"), reps) for _ in range(6)]  # type: ignore[attr-defined]
+    picks = [p.choose(chat("x"), reps) for _ in range(6)]
     assert [d.replica.url[7] for d in picks] == list("abcabc")
     assert {d.reason for d in picks} == {"round_robin"}
 
@@ -44,10 +44,10 @@ def test_round_robin() -> None:
 def test_least_load_and_ties_rotate() -> None:
     p = policy("least-load")
     a, b, c = replica("a", running=3), replica("b", running=1, waiting=1), replica("c", waiting=5)
-    d = p.choose(chat("x"), [a, b, c])  # type: ignore[attr-defined]
+    d = p.choose(chat("x"), [a, b, c])
     assert d.replica is b and d.reason == "least_load"
     idle = [replica("x"), replica("y")]
-    assert {p.choose(chat("x"), idle).replica.url for _ in range(4)} == {r.url for r in idle}  # type: ignore[attr-defined]
+    assert {p.choose(chat("x"), idle).replica.url for _ in range(4)} == {r.url for r in idle}
 
 
 def test_load_counts_requests_the_last_scrape_cannot_have_seen() -> None:

@@ -49,7 +49,7 @@ def own_stubs() -> Iterator[tuple[StubReplica, StubReplica]]:
 def router(urls: list[str], **kw: object) -> Iterator[tuple[str, Router]]:
     settings: dict[str, object] = {"policy": "round-robin", "poll_interval_s": 0.1, "backoff_base_s": 0.001,
                                    "backoff_max_s": 0.01, "access_log": False} | kw  # fmt: skip
-    config = RouterConfig(replicas=tuple(ReplicaSpec(u) for u in urls), **settings)  # type: ignore[arg-type]
+    config = RouterConfig(replicas=tuple(ReplicaSpec(u) for u in urls), **settings)
     app = create_app(config)
     server = ThreadServer(app).start()
     try:
@@ -73,7 +73,7 @@ def stream(url: str, body: dict, **kw: object) -> tuple[httpx.Response, list[tup
     """POST a streaming request; (response, [(arrival time, event data)])."""
     out: list[tuple[float, str]] = []
     with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10,
-                      **kw) as r:  # type: ignore[arg-type]  # fmt: skip
+                      **kw) as r:  # fmt: skip
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append((time.monotonic(), line[len("data: ") :]))
@@ -105,7 +105,7 @@ def test_replicas_from_dns(stubs: tuple[StubReplica, StubReplica]) -> None:
     a, _ = stubs
     with router([], replica_dns=(DnsSpec("localhost", a.server.port),)) as (url, rt):
         local = f"http://127.0.0.1:{a.server.port}"
-        wait_for(lambda: rt.replicas.get(local) is not None and rt.replicas.get(local).available)  # type: ignore[union-attr]
+        wait_for(lambda: rt.replicas.get(local) is not None and rt.replicas.get(local).available)
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.json()["replica"] == "a" and r.headers["x-fornax-replica"] == local
         assert {x.source for x in rt.replicas} == {f"dns:localhost:{a.server.port}"}
@@ -375,7 +375,7 @@ def test_in_process_membership_from_another_thread(stubs: tuple[StubReplica, Stu
         t = threading.Thread(target=rt.replicas.add, args=(b.url,), kwargs={"tags": {"zone": "x"}})
         t.start()
         t.join()
-        wait_for(lambda: rt.replicas.get(b.url).available, timeout=3)  # type: ignore[union-attr]
+        wait_for(lambda: rt.replicas.get(b.url).available, timeout=3)
 
 
 def test_body_limit_and_bad_json(stubs: tuple[StubReplica, StubReplica]) -> None:

@@ -32,7 +32,7 @@ def voluntary_switches(pid: int) -> int:
 
 
 @pytest.mark.skipif(not (PROC / "self" / "task").is_dir(), reason="needs Linux /proc")
-def test_decode_steps_do_not_sleep_at_openmp_barriers(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_decode_steps_do_not_sleep_at_openmp_barriers(make_server) -> None:
     # make run's weights: the one-call step and the int8 kernels, all OpenMP.
     server = make_server(["--quantization", "auto", "--large-step-quantization", "w8a8", "--no-access-log"])
     body = {"model": "smollm2-135m-instruct", "prompt": "The harbour town woke slowly.", "max_tokens": TOKENS,

@@ -48,7 +48,7 @@ def test_the_served_document_is_the_one_tested(server) -> None:
 
 
 def assert_envelope(response: object, where: str) -> None:
-    body = response.json()  # type: ignore[attr-defined]
+    body = response.json()
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), where
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], where

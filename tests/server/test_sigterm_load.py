@@ -68,7 +68,7 @@ async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, res
 
 def _read_event(event: dict, chat: bool, started: asyncio.Event, result: StreamResult) -> None:
     if "error" in event:
-        result.errors.append(str(event["error"]))  # type: ignore[union-attr]
+        result.errors.append(str(event["error"]))
         return
     for c in event["choices"]:
         text = (c["delta"].get("content") or "") if chat else c["text"]

@@ -33,7 +33,7 @@ def make_request(
     eos: set[int] | None = None,
     **params: object,
 ) -> Request:
-    sampling_params = SamplingParams(**params)  # type: ignore[arg-type]
+    sampling_params = SamplingParams(**params)
     request = Request(request_id, prompt or [1, 2, 3], sampling_params, eos_token_ids=eos or set())
     for token in output or []:
         request.append_output_token(token)

@@ -69,7 +69,7 @@ def make(
 def req(rid: str, prompt: list[int] | int, max_tokens: int = 8, priority: int = 0, **kw: object) -> Request:
     offset = 17 * sum(map(ord, rid))  # deterministic (str hash() is salted per process)
     tokens = prompt if isinstance(prompt, list) else [(offset + i) % 100 for i in range(prompt)]
-    params = SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=max_tokens, **kw)
     return Request(rid, tokens, params, priority=priority)
 
 
@@ -155,7 +155,7 @@ def test_budget_spans_many_requests_and_max_num_seqs_caps_running() -> None:
     assert all(r.num_output_tokens == 5 for r in reqs)
     # FCFS: requests are first scheduled in arrival order.
     first = [r.times.first_scheduled for r in reqs]
-    assert first == sorted(first)  # type: ignore[type-var]
+    assert first == sorted(first)
 
 
 def _workload() -> list[Request]:

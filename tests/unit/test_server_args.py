@@ -54,7 +54,7 @@ def test_every_server_config_field_has_a_setting() -> None:
     assert {renamed.get(n, n) for n in config} <= {f.name for f in fields(ServerArgs)}
 
 
-def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:  # type: ignore[no-untyped-def]
+def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
     """Flags setting every server field away from its default, and the ServerConfig they give."""
     keys, admins, limits = tmp_path / "keys.txt", tmp_path / "admins.txt", tmp_path / "limits.json"
     keys.write_text("carol:-starts-with-a-dash\n")
@@ -86,14 +86,14 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:  # type: ign
     return flags, expected
 
 
-def test_flags_to_server_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_flags_to_server_config(tmp_path) -> None:
     flags, expected = _every_server_flag(tmp_path)
     args = ServerArgs.from_cli_args(build_parser().parse_args(["serve", *flags]))
     assert {f.name for f in fields(ServerArgs) if getattr(args, f.name) == f.default} == set()
     assert args.create_server_config(("a", "b")) == expected
 
 
-def test_the_rendered_command_line_reads_back_to_the_same_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_rendered_command_line_reads_back_to_the_same_settings(tmp_path) -> None:
     flags, _ = _every_server_flag(tmp_path)
     engine_flags = ["--max-model-len", "512", "--no-prefix-caching", "--kv-cache-memory", "64MiB",
                     "--speculative-config", '{"method": "ngram"}', "--deterministic"]  # fmt: skip
@@ -107,7 +107,7 @@ def test_the_rendered_command_line_reads_back_to_the_same_settings(tmp_path) -> 
 
 
 @pytest.mark.parametrize("command", [["serve", "m", "--replicas", "2"], ["cluster", "up", "m"]])
-def test_a_replicas_command_line_round_trips_through_the_serve_parser(command: list[str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_replicas_command_line_round_trips_through_the_serve_parser(command: list[str], tmp_path) -> None:
     """What the cluster passes on is what was given, less the settings it makes per replica
     (address, threads, shutdown), plus the admin key it reads /metrics with."""
     flags, _ = _every_server_flag(tmp_path)
@@ -122,14 +122,14 @@ def test_a_replicas_command_line_round_trips_through_the_serve_parser(command: l
     assert EngineArgs.from_cli_args(replica, model="m").max_model_len == 512
 
 
-def test_the_cli_tells_a_users_mistake_in_one_line_and_keeps_a_bugs_traceback(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_cli_tells_a_users_mistake_in_one_line_and_keeps_a_bugs_traceback(monkeypatch, capsys) -> None:
     import fornax.cli
     from fornax.engine.request import RequestRejected
 
-    def rejected(args):  # type: ignore[no-untyped-def]
+    def rejected(args):
         raise RequestRejected("the prompt has 9000 tokens, but the maximum context length is 8192 tokens")
 
-    def bug(args):  # type: ignore[no-untyped-def]
+    def bug(args):
         raise ValueError("an internal invariant broke")
 
     for handler, raises in ((rejected, False), (bug, True)):

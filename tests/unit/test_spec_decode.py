@@ -148,7 +148,7 @@ class FakeSpecRunner(FakeRunner):
 
 
 def make_spec(**kw: object) -> tuple[Scheduler, FakeSpecRunner]:
-    sched, _ = make(**kw)  # type: ignore[arg-type]
+    sched, _ = make(**kw)
     return sched, FakeSpecRunner(sched)
 
 

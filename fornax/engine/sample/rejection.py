@@ -101,7 +101,7 @@ def verify_drafts(
     prefix of their drafts), so a draft the grammar forbids has probability 0 and is rejected
     and the token taken in its place obeys the grammar; logprobs stay the raw model's."""
     rows = [DraftRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
-    meta = SamplingMetadata.build(rows, generators, positional=positional)  # type: ignore[arg-type]  # DraftRow duck-types Request
+    meta = SamplingMetadata.build(rows, generators, positional=positional)  # DraftRow duck-types Request
     meta.grammar_mask = grammar_mask
     processed = process_logits(logits.float(), meta)  # [R, vocab]
     if positional:

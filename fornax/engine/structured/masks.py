@@ -101,7 +101,7 @@ class MaskWorker:
         if rows:
             bitmask = allocate_bitmask(len(rows), self.vocab_size)
             for i, row in enumerate(rows):
-                sampling[row].request.grammar.fill(bitmask, i)  # type: ignore[union-attr]
+                sampling[row].request.grammar.fill(bitmask, i)
             self.num_rows += len(rows)
             sample = GrammarMask(bitmask, torch.from_numpy(np.array(rows, dtype=np.int64)))
         spans, start = [], 0  # (first logits row, sequence) of each constrained verifier
