@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from fornax.models.sharding import (
     take_cut,
 )
 from tests.model.tiny_models import build_tiny_model
+from tests.support import free_port
 
 PROMPT = [5, 17, 99, 200, 31, 7, 3, 3, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 BLOCK = 16
@@ -75,15 +75,9 @@ def _rank_main(rank: int, world: int, port: int, sources: list[str], out_dir: st
         torch.save(_logits(source, world, rank, group), os.path.join(out_dir, f"{i}.rank{rank}.pt"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(world: int, sources: list[str], out_dir: Path) -> list[list[torch.Tensor]]:
     """Each source's logits from every rank of a `world`-process group."""
-    mp.spawn(_rank_main, args=(world, _free_port(), sources, str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), sources, str(out_dir)), nprocs=world, join=True)
     return [[torch.load(out_dir / f"{i}.rank{r}.pt") for r in range(world)] for i in range(len(sources))]
 
 

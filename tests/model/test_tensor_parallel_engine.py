@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from fornax import LLM, SamplingParams
 from fornax.config import ConfigError
 from fornax.engine.tensor_parallel import TensorParallelExecutor
 from tests.engine import PARAGRAPHS
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -206,9 +206,7 @@ def test_unsupported_combinations_are_refused(default_gguf, tmp_path):
 def test_a_worker_started_by_fornax_worker(default_gguf, tmp_path):
     """The multi-machine form, on loopback: rank 1 is `fornax worker` started on its own, and the
     engine (rank 0) meets it at --distributed-init instead of spawning it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     flags = ["--model", str(default_gguf), "--dtype", "float32", "--tensor-parallel-size", "2"]
     log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen(

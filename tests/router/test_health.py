@@ -18,6 +18,7 @@ from fornax.router.discovery import DnsDiscovery, address_url, resolve
 from fornax.router.poller import parse_load
 from fornax.router.proxy import backoff_delay, outcome_of, upstream_headers
 from fornax.router.replicas import Health, ReplicaSet
+from tests.support import free_port
 
 
 def test_health_active_checks() -> None:
@@ -137,9 +138,7 @@ def test_upstream_headers() -> None:
 
 
 def test_dns_resolve_localhost() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     urls = asyncio.run(resolve("localhost", port))
     assert f"http://127.0.0.1:{port}" in urls
     assert all(u.endswith(f":{port}") for u in urls)

@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RUN_CLI = "import sys\nfrom fornax.cli import main\nsys.exit(main(sys.argv[1:]))"

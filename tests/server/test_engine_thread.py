@@ -15,7 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import MAKE_RUN_FLAGS
+
 PROC = Path("/proc")
+
 TOKENS = 48
 
 
@@ -34,7 +37,7 @@ def voluntary_switches(pid: int) -> int:
 @pytest.mark.skipif(not (PROC / "self" / "task").is_dir(), reason="needs Linux /proc")
 def test_decode_steps_do_not_sleep_at_openmp_barriers(make_server) -> None:
     # make run's weights: the one-call step and the int8 kernels, all OpenMP.
-    server = make_server(["--quantization", "auto", "--large-step-quantization", "w8a8", "--no-access-log"])
+    server = make_server([*MAKE_RUN_FLAGS, "--no-access-log"])
     body = {"model": "smollm2-135m-instruct", "prompt": "The harbour town woke slowly.", "max_tokens": TOKENS,
             "temperature": 0.0, "ignore_eos": True}  # fmt: skip
     httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()  # first-use costs

@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from tests.support import MAKE_RUN_FLAGS
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152
@@ -44,7 +46,7 @@ PROMPT = [504, 3458, 282, 253, 1345, 30, 378, 314, 6615, 28]  # any real token i
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server(["--quantization", "auto", "--large-step-quantization", "w8a8", "--no-access-log",
+    return make_server([*MAKE_RUN_FLAGS, "--no-access-log",
                         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], bootstrap=BOOTSTRAP)  # fmt: skip
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.support import MAKE_RUN_FLAGS
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 STREAMS = 32
@@ -28,7 +30,7 @@ SHUTDOWN_TIMEOUT = 120  # generous: the drain, not the timeout, is what this tes
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server(["--quantization", "auto", "--large-step-quantization", "w8a8",
+    return make_server([*MAKE_RUN_FLAGS,
                         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)])  # fmt: skip
 
 

@@ -8,36 +8,21 @@ full soak's fifth goal, needs thousands of requests: only the benchmark measures
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
-import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 
+from benchmarks import soak
+from tests.support import MAKE_RUN_FLAGS
+
 pytestmark = pytest.mark.slow
-SOAK_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-
-
-def _load_soak() -> ModuleType:
-    """benchmarks/ is not a package: load the script as a module."""
-    spec = importlib.util.spec_from_file_location("fornax_bench_soak", SOAK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
 
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server(list(soak.MAKE_RUN_FLAGS))
+    return make_server(list(MAKE_RUN_FLAGS))
 
 
 def test_every_malformed_body_gets_a_4xx_envelope(server):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.server.test_faults import PROMPT, _post, _stream_events, assert_envelope, completion
+from tests.support import MAKE_RUN_FLAGS
 
 pytestmark = pytest.mark.slow
 SHUTDOWN_TIMEOUT = 5
@@ -45,8 +46,7 @@ def _spawned_children(pid: int) -> list[int]:
 def test_a_dead_worker_fails_every_request_turns_health_503_and_exits_non_zero(make_server) -> None:
     server = make_server(
         ["--tensor-parallel-size", "2", "--distributed-timeout", str(COLLECTIVE_TIMEOUT),
-         "--quantization", "auto", "--large-step-quantization", "w8a8",
-         "--no-access-log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+         *MAKE_RUN_FLAGS, "--no-access-log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     )  # fmt: skip
     r = httpx.post(server.url + "/v1/completions", json=completion(PROMPT), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
