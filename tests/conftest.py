@@ -38,3 +38,31 @@ def _restore_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+# The longest test files (seconds on 2 cores, `--durations`), started first: `make test` hands
+# whole files to its pytest-xdist workers in collection order, and a long file started last
+# keeps one worker busy while the other idles. Only the order changes, never what runs.
+LONGEST_FIRST = (
+    "tests/model/test_deterministic.py",
+    "tests/spec_decode/test_default_model.py",
+    "tests/model/test_tensor_parallel_engine.py",
+    "tests/model/test_gemma3_gguf.py",
+    "tests/server/test_multi_model.py",
+    "tests/cluster/test_ray_cluster.py",
+    "tests/server/test_concurrency.py",
+    "tests/server/test_structured_outputs.py",
+    "tests/engine/test_batching.py",
+    "tests/model/test_default_model.py",
+    "tests/kv/test_tiered_engine.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(Path(str(item.path)).relative_to(root).as_posix(), len(LONGEST_FIRST))
+
+    items.sort(key=key)  # stable: within a file, and among the rest, the collected order stays

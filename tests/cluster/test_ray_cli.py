@@ -18,7 +18,10 @@ import pytest
 from fornax.cluster.process import free_port
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'fornax[cluster]')")
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_turn"),
+]  # one Ray runtime at a time (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-cluster-test"

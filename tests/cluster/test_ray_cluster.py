@@ -21,7 +21,10 @@ from fornax.cluster.process import free_port
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'fornax[cluster]')")
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_turn"),
+]  # one Ray runtime at a time (conftest.py)
 MODEL = "smollm2-135m-instruct"
 CHILD_PATTERN = "fornax.cluster.child"  # every replica server's command line
 

@@ -26,7 +26,7 @@ _RUN_CLI = "import sys\nfrom fornax.cli import main\nsys.exit(main(sys.argv[1:])
 class ServerProcess:
     admin_key: str | None = None  # what /admin/* is called with (make_server sets it)
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str | None] | None = None,
                  api_key: str | None = None, bootstrap: str | None = None,
                  port: int | None = None) -> None:  # fmt: skip
         self.port = port or free_port()  # a given port: a restart where the last one listened
@@ -38,6 +38,7 @@ class ServerProcess:
             full_env.pop("FORNAX_API_KEY", None)  # only the keys a test asks for
         if "FORNAX_ADMIN_KEY" not in (env or {}):
             full_env.pop("FORNAX_ADMIN_KEY", None)
+        full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset for this server
         # `bootstrap`: Python run in the server process before the CLI (fault-injection tests).
         entry = ["-m", "fornax.cli"] if bootstrap is None else ["-c", f"{bootstrap}\n{_RUN_CLI}"]
         cmd = [sys.executable, *entry, "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
@@ -137,7 +138,7 @@ def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Start servers for one module; each is checked idle (KV usage 0) and stopped at the end."""
     started: list[ServerProcess] = []
 
-    def make(args: list[str], env: dict[str, str] | None = None, api_key: str | None = None,
+    def make(args: list[str], env: dict[str, str | None] | None = None, api_key: str | None = None,
              wait: bool = True, bootstrap: str | None = None) -> ServerProcess:  # fmt: skip
         log = tmp_path_factory.mktemp("server") / "server.log"
         # /admin/* needs an admin key once keys are on: a server with a user key also gets one

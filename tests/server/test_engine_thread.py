@@ -37,7 +37,9 @@ def voluntary_switches(pid: int) -> int:
 @pytest.mark.skipif(not (PROC / "self" / "task").is_dir(), reason="needs Linux /proc")
 def test_decode_steps_do_not_sleep_at_openmp_barriers(make_server) -> None:
     # make run's weights: the one-call step and the int8 kernels, all OpenMP.
-    server = make_server([*MAKE_RUN_FLAGS, "--no-access-log"])
+    # OpenMP's default waiting, as a user's server has it (make test sets OMP_WAIT_POLICY=PASSIVE,
+    # under which every barrier sleeps by design)
+    server = make_server([*MAKE_RUN_FLAGS, "--no-access-log"], env={"OMP_WAIT_POLICY": None})
     body = {"model": "smollm2-135m-instruct", "prompt": "The harbour town woke slowly.", "max_tokens": TOKENS,
             "temperature": 0.0, "ignore_eos": True}  # fmt: skip
     httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()  # first-use costs

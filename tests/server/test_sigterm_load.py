@@ -90,6 +90,10 @@ async def _late_request(url: str) -> str:
             r = await client.post("/v1/completions", json=body)
     except httpx.ConnectError:
         return "refused"
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        # Accepted by the socket in the last instant before the server closed it, and closed
+        # unanswered: turned away too (never run), a race a loaded machine meets now and then.
+        return "refused"
     if r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable":
         return "503"
     return f"accepted? HTTP {r.status_code}: {r.text[:200]}"
