@@ -334,7 +334,7 @@ class EngineCore:
         if req.sampling_params.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
             out.prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs, True
         if finished:
-            out.timings = _timings(req)
+            out.timings = req.timings()
             self._forget(req.request_id)
         return out
 
@@ -455,35 +455,6 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The n-th sample of a request: n=1, and a distinct seed so samples differ but stay reproducible."""
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
-
-
-def _timings(req: Request) -> dict[str, float]:
-    t = req.times
-    end = t.finished or time.monotonic()
-    first_sched = t.first_scheduled or end
-    first_tok = t.first_token or end
-    return {
-        "queue_s": first_sched - t.arrival,
-        "ttft_s": first_tok - t.arrival,
-        "prefill_s": first_tok - first_sched,
-        "decode_s": (t.last_token or first_tok) - first_tok,
-        "e2e_s": end - t.arrival,
-        "num_preemptions": float(req.num_preemptions),
-    } | _spec_timings(req)
-
-
-def _spec_timings(req: Request) -> dict[str, float]:
-    """Speculative decoding figures for requests that verified drafts (nothing otherwise)."""
-    spec = req.spec
-    if not spec.num_steps:
-        return {}
-    return {
-        "spec_acceptance_rate": spec.acceptance_rate,
-        "spec_mean_accepted_len": spec.mean_accepted_length,
-        "spec_num_draft_tokens": float(spec.num_draft_tokens),
-        "spec_num_accepted_tokens": float(spec.num_accepted_tokens),
-        "spec_num_steps": float(spec.num_steps),
-    }
 
 
 def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore:

@@ -324,6 +324,32 @@ class Request:
             return True
         return False
 
+    def timings(self) -> dict[str, float]:
+        """Where the request's time went, in seconds (queue, TTFT, prefill, decode, end to end),
+        its preemptions, and its speculative decoding figures when it verified drafts."""
+        t = self.times
+        end = t.finished or time.monotonic()
+        first_sched = t.first_scheduled or end
+        first_tok = t.first_token or end
+        out = {
+            "queue_s": first_sched - t.arrival,
+            "ttft_s": first_tok - t.arrival,
+            "prefill_s": first_tok - first_sched,
+            "decode_s": (t.last_token or first_tok) - first_tok,
+            "e2e_s": end - t.arrival,
+            "num_preemptions": float(self.num_preemptions),
+        }
+        spec = self.spec
+        if spec.num_steps:
+            out |= {
+                "spec_acceptance_rate": spec.acceptance_rate,
+                "spec_mean_accepted_len": spec.mean_accepted_length,
+                "spec_num_draft_tokens": float(spec.num_draft_tokens),
+                "spec_num_accepted_tokens": float(spec.num_accepted_tokens),
+                "spec_num_steps": float(spec.num_steps),
+            }
+        return out
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

@@ -377,3 +377,24 @@ def test_environment_variables_are_read_in_one_module():
         'import os\na = os.environ["A"]\nb = os.environ.get("B")\nc = os.getenv("C")\nd = "D" in os.environ\n'
     )
     assert environment_reads(probe + "env = {**os.environ}\n") == [2, 3, 4, 5]
+
+
+# -- small modules (docs/architecture.md, rule 9) --
+
+MAX_LINES = 500
+# The native kernels and their loader belong to the kernel work: measured code, kept whole.
+SIZE_EXEMPT = ("fornax/layers/kernels/", "fornax/layers/native.py")
+
+
+def test_modules_stay_small_or_say_why():
+    """A module over MAX_LINES says why in its docstring ("Over 500 lines: ...")."""
+    long = []
+    for _module, path in all_modules():
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if text.count("\n") <= MAX_LINES or rel.startswith(SIZE_EXEMPT):
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if "Over 500 lines:" not in doc:
+            long.append(f"{rel} ({text.count(chr(10))} lines)")
+    assert not long, "modules over 500 lines that do not say why: " + ", ".join(long)
