@@ -26,12 +26,21 @@ if TYPE_CHECKING:  # the model modules load torch: only when a command runs one
 _SAMPLING_COMMAND_EXCLUDES = ("seed",)
 
 
+# generate and chat answer a person at a terminal: a whole reply, and the model's most likely
+# one. Every other sampling default is SamplingParams' own, which follow OpenAI's API (16
+# tokens, temperature 1) as the server does.
+TERMINAL_SAMPLING = {"max_tokens": 256, "temperature": 0.0}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=None,
+    from fornax.engine.request import SamplingParams  # no torch: the parser stays light
+
+    default = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | TERMINAL_SAMPLING
+    p.add_argument("--max-tokens", type=int, default=default["max_tokens"])
+    p.add_argument("--temperature", type=float, default=default["temperature"])
+    p.add_argument("--top-p", type=float, default=default["top_p"])
+    p.add_argument("--top-k", type=int, default=default["top_k"])
+    p.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=default["seed"],
                    help="the request's sampling seed")  # fmt: skip
 
 

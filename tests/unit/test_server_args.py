@@ -141,3 +141,15 @@ def test_the_cli_tells_a_users_mistake_in_one_line_and_keeps_a_bugs_traceback(mo
             assert fornax.cli.main(["pull"]) == 1
             assert capsys.readouterr().err == "fornax: error: the prompt has 9000 tokens, but the maximum " \
                                               "context length is 8192 tokens\n"  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_the_terminal_commands_sample_as_sampling_params_but_for_their_declared_two(
+    command: list[str],
+) -> None:
+    from fornax.cli import TERMINAL_SAMPLING, _sampling
+    from fornax.engine.request import SamplingParams
+
+    assert set(TERMINAL_SAMPLING) == {"max_tokens", "temperature"}  # a whole reply, greedy
+    made = _sampling(build_parser().parse_args(command))
+    assert made == SamplingParams(**TERMINAL_SAMPLING)
