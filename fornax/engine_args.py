@@ -283,7 +283,7 @@ class EngineArgs:
         """Add the engine flags of `command` (its COMMAND_OVERRIDES applied) to `parser`:
         those of `groups`, less the fields in `exclude` (a flag the command spells for
         something else)."""
-        add_fields(cls, {MODEL: parser}, parser, groups=groups, exclude=exclude,
+        add_fields(cls, parser, own_group=MODEL, groups=groups, exclude=exclude,
                    overrides=COMMAND_OVERRIDES.get(command))  # fmt: skip
 
     @classmethod

@@ -32,15 +32,16 @@ def flags_of(f: Field[Any]) -> tuple[str, ...]:
 
 def add_fields(
     cls: type,
-    containers: dict[str, Any],
     parser: argparse.ArgumentParser,
     *,
+    own_group: str,
     groups: tuple[str, ...],
     exclude: tuple[str, ...] = (),
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Add a flag for each field of `cls` in `groups` (less `exclude`) to its group's container,
-    made on first use (`containers` maps a group to its argparse group, or to the parser)."""
+    """Add a flag for each field of `cls` in `groups` (less `exclude`): those of `own_group` on
+    the parser's own options, the others in an argument group each, made on first use."""
+    containers: dict[str, Any] = {own_group: parser}
     for f in fields(cls):
         group = f.metadata["group"]
         if group not in groups or f.name in exclude:

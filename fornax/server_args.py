@@ -144,7 +144,7 @@ class ServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_fields(cls, {SERVER: parser}, parser, groups=(SERVER, RATE_LIMITS, LIMITS))
+        add_fields(cls, parser, own_group=SERVER, groups=(SERVER, RATE_LIMITS, LIMITS))
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServerArgs:

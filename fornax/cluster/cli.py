@@ -187,8 +187,8 @@ def passthrough_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
     from EngineArgs' and ServerArgs' fields; and, when the replicas have keys, a generated
     admin key the replica actors read /metrics with."""
     server = ServerArgs.from_cli_args(args)
-    argv = EngineArgs.from_cli_args(args).as_argv("serve", exclude=tuple(_OWN_DESTS))
-    argv += server.as_argv(exclude=tuple(_OWN_DESTS))
+    argv = EngineArgs.from_cli_args(args).as_argv("serve", exclude=_OWN_DESTS)
+    argv += server.as_argv(exclude=_OWN_DESTS)
     if not (server.api_keys() or server.admin_keys()):
         return argv, None  # an open server: /metrics needs no key
     key = secrets.token_urlsafe(24)

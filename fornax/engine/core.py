@@ -21,7 +21,7 @@ from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
-from fornax.engine.executor import Executor, LocalExecutor, make_executor
+from fornax.engine.executor import DraftStep, Executor, LocalExecutor, make_executor
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
@@ -430,7 +430,7 @@ def _build_spec(
     num_blocks: int,
     max_len: int,
     kernel: object | None,
-    draft_step: Callable[[torch.Tensor, torch.Tensor, list], None] | None = None,
+    draft_step: DraftStep | None = None,
 ) -> SpecController | None:
     if config.speculative is None:
         return None

@@ -115,7 +115,7 @@ def test_a_replicas_command_line_round_trips_through_the_serve_parser(command: l
     config = cluster_config(given)
     replica = build_parser().parse_args(["serve", "m", *config.replica.serve_args])
     own = {"host", "port", "shutdown_timeout"}
-    expected = replace(ServerArgs.from_cli_args(given), **{n: ServerArgs().__getattribute__(n) for n in own})
+    expected = replace(ServerArgs.from_cli_args(given), **{n: getattr(ServerArgs(), n) for n in own})
     cluster_key = f"fornax-cluster:{config.replica.metrics_key}"
     expected = replace(expected, admin_key=(*(expected.admin_key or ()), cluster_key))
     assert ServerArgs.from_cli_args(replica) == expected

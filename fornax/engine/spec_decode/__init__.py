@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from fornax.config import SpeculativeConfig
+from fornax.engine.executor import DraftStep
 from fornax.engine.request import Request
 from fornax.models import LoadedModel
 
@@ -67,7 +68,7 @@ class TargetInfo:
     small_step_max_rows: int = 0  # the engine's limit for small-step weight forms (EngineConfig)
     # Tensor parallelism: tells the worker ranks to run a self-draft's step with this process
     # (input ids, positions, spans), since the draft's layers are slices of the target's.
-    draft_step_to_ranks: Callable[[torch.Tensor, torch.Tensor, list], None] | None = None
+    draft_step_to_ranks: DraftStep | None = None
 
 
 ProposerFactory = Callable[[SpeculativeConfig, TargetInfo], Proposer]

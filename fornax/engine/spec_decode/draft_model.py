@@ -11,13 +11,14 @@ rejected guess never needs rolling back here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fornax.config import ConfigError, ModelConfig, SpeculativeConfig
+from fornax.engine.executor import DraftStep
 from fornax.engine.kv.manager import KVCacheManager
 from fornax.engine.request import Request
 from fornax.engine.spec_decode import TargetInfo, register_proposer
@@ -51,7 +52,7 @@ class DraftModelProposer:
         attention_kernel: PagedAttentionKernel | None = None,
         cost_per_token: float = 1.0,
         dense_fraction: float = 1.0,
-        step_to_ranks: Callable[[torch.Tensor, torch.Tensor, list[SeqSpan]], None] | None = None,
+        step_to_ranks: DraftStep | None = None,
     ) -> None:
         self.model, self.config, self.block_size = model, config, block_size
         self.step_to_ranks = step_to_ranks  # a self-draft under tensor parallelism (TargetInfo)
