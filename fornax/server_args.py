@@ -28,6 +28,7 @@ from fornax.flag_fields import add_fields, as_argv, flag_field
 SERVER, LIMITS = "server", "per-request limits"
 RATE_LIMITS = "per-key rate limits (429 with Retry-After when exceeded; see /admin/usage)"
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -122,6 +123,12 @@ class ServerArgs:
         "how tool calls are read from output under tool_choice=auto (auto: by chat template)",
         choices=list(TOOL_CALL_PARSERS),
     )
+    reasoning_parser: str = _arg(
+        "auto",
+        "how reasoning (<think>...</think>) is split from the answer as reasoning_content "
+        "(auto: by chat template; none: never)",
+        choices=list(REASONING_PARSERS),
+    )
     max_queued_requests: int = _limit("max_queued_requests")
     max_body_bytes: int = _limit("max_body_bytes")
     max_n: int = _limit("max_n")
@@ -174,6 +181,7 @@ class ServerArgs:
             public_metrics=self.public_metrics, access_log=self.access_log, log_level=self.log_level,
             shutdown_timeout_s=self.shutdown_timeout,
             tool_call_parser=None if self.tool_call_parser == "auto" else self.tool_call_parser,
+            reasoning_parser=None if self.reasoning_parser == "auto" else self.reasoning_parser,
             **limits,
         )  # fmt: skip
 

@@ -51,6 +51,9 @@ class ServerConfig:
     # How `tool_choice: "auto"` output is read (fornax/tools/calls.py): "hermes", "llama3_json";
     # None picks by the chat template.
     tool_call_parser: str | None = None
+    # How reasoning is split from the answer (fornax/tools/reasoning.py): "qwen3", "deepseek_r1",
+    # "none" (never); None picks by the chat template.
+    reasoning_parser: str | None = None
     # Several models (server/model_set.py): None loads every one at start-up; K loads them on
     # first request and keeps at most K, unloading the least recently used idle one.
     max_loaded_models: int | None = None

@@ -150,6 +150,11 @@ class EngineCore:
                              f"{self.model_config.vocab_size}")  # fmt: skip
         structured = params.structured_outputs
         compiled = self.grammars.compile(structured) if structured is not None else None  # cached by content
+        gate = (
+            tuple(self.tokenizer.encode(structured.starts_after, add_special_tokens=False))
+            if structured is not None and structured.starts_after
+            else ()
+        )
         children = []
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
@@ -164,7 +169,7 @@ class EngineCore:
                 cache_salt=cache_salt,
             )
             if compiled is not None:
-                req.grammar = self.grammars.new_state(compiled)  # each sample follows its own tokens
+                req.grammar = self.grammars.new_state(compiled, gate)  # each sample follows its own tokens
             children.append(req)
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
         self.children[request_id] = [c.request_id for c in children]

@@ -89,6 +89,9 @@ class Generation:
             [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
         )
         self.cache_salt = cache_salt  # the engine's prefix-cache salt (tenancy.Tenancy.cache_salt)
+        # The request's own `prompt_logprobs` (vLLM's field), shown in vLLM's format; the engine
+        # may compute prompt logprobs for completions' echo alone, which shows them its own way.
+        self.prompt_logprobs_shown: int | None = None
         # Owners are known before the engine hears of the requests, so even their `queued`
         # event is shown to their key only.
         state.tenancy.claim([request_id, *self.engine_ids], key_name)

@@ -287,6 +287,10 @@ def num_logprobs(req: ChatCompletionRequest | CompletionRequest, config: ServerC
         k, param = req.logprobs, "logprobs"
     if k is not None and not 0 <= k <= config.max_top_logprobs:
         raise bad_request(f"'{param}' must be in [0, {config.max_top_logprobs}], got {k}", param=param)
+    p = req.prompt_logprobs
+    if p is not None and not 0 <= p <= config.max_top_logprobs:
+        raise bad_request(f"'prompt_logprobs' must be in [0, {config.max_top_logprobs}], got {p}",
+                          param="prompt_logprobs")  # fmt: skip
     return k
 
 
@@ -298,6 +302,8 @@ def build_sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and logprobs is not None
+    prompt_logprobs = max(req.prompt_logprobs if req.prompt_logprobs is not None else -1,
+                          logprobs if echo_logprobs and logprobs is not None else -1)  # fmt: skip
     try:
         return SamplingParams(
             n=req.n,
@@ -316,7 +322,7 @@ def build_sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=logprobs if echo_logprobs else None,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs >= 0 else None,
             num_speculative_tokens=req.num_speculative_tokens,
             structured_outputs=structured_outputs,
         )

@@ -40,6 +40,7 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class ContentPart(_Request):
@@ -104,6 +105,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    # vLLM's: top-k logprobs of every prompt token (the first has none), in its format.
+    prompt_logprobs: int | None = None
     num_speculative_tokens: int | None = None  # fornax: per-request draft tokens (0: no speculation)
     # vLLM's: requests share cached prompt blocks only with requests of the same salt (and, with
     # --prefix-cache-scope key, of the same API key). Bounded: it is hashed once per request.
@@ -127,6 +130,16 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # The template: extra variables (`enable_thinking`...), whether it adds the assistant turn's
+    # opening, or continues the last (assistant) message instead; vLLM's fields.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the continued final assistant message starts the content
+    # Reasoning models: OpenAI's effort maps to the template's thinking switch ("none": off);
+    # include_reasoning false leaves the thinking in `content` (vLLM's).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: bool = True
 
 
 class CompletionRequest(_SamplingFields):
@@ -192,9 +205,10 @@ class ToolCall(_Response):
 
 
 class ResponseMessage(_Response):
-    _omit_if_none = frozenset({"tool_calls"})
+    _omit_if_none = frozenset({"tool_calls", "reasoning_content"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (vLLM's and DeepSeek's name)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -204,6 +218,12 @@ class ChatChoice(_Response):
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+
+
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class _Envelope(_Response):
@@ -216,10 +236,17 @@ class _Envelope(_Response):
     fornax: dict[str, Any] | None = None  # timings extension
 
 
+# vLLM's prompt_logprobs: per prompt token, {token id: logprob} of it and its top alternatives;
+# None for the first token, which nothing precedes.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletion(_Envelope):
+    _omit_if_none = _Envelope._omit_if_none | {"prompt_logprobs"}
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(_Response):
@@ -239,9 +266,10 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    _omit_if_none = frozenset({"role", "content", "tool_calls"})
+    _omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -253,9 +281,11 @@ class ChatChunkChoice(_Response):
 
 
 class ChatCompletionChunk(_Envelope):
+    _omit_if_none = _Envelope._omit_if_none | {"prompt_logprobs"}
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk that carries output
 
 
 class CompletionLogprobs(_Response):
@@ -266,10 +296,12 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
+    _omit_if_none = frozenset({"prompt_logprobs"})
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(_Envelope):

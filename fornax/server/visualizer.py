@@ -30,13 +30,13 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fornax.engine.async_engine import AsyncEngine
 from fornax.engine.core import EngineCore
 from fornax.metrics.live import LiveStats
-from fornax.server.api import sse_stream
 from fornax.server.auth import key_name, key_role
 from fornax.server.body_parser import parse_body
 from fornax.server.errors import ApiError, bad_request
 from fornax.server.limits import check_token_count, check_tokenize_input, message_texts
 from fornax.server.model_set import ServedModel
 from fornax.server.protocol import TokenizeRequest
+from fornax.server.serving import sse_stream
 from fornax.server.state import ServerState
 from fornax.server.tenancy import ADMIN, Viewer
 

@@ -226,7 +226,7 @@ class _CallBody:
         return [ToolCallDelta(index=self._index, arguments=piece)] if piece else []
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that could be the start of `tag` (held back until the
     next text says whether it is the tag)."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
@@ -255,7 +255,7 @@ class HermesParser(ToolCallParser):
             if self._call is None:
                 at = self._buf.find(self.OPEN)
                 if at < 0:
-                    keep = len(self._buf) - _partial_suffix(self._buf, self.OPEN)
+                    keep = len(self._buf) - partial_suffix(self._buf, self.OPEN)
                     content.append(self._buf[:keep])
                     self._buf = self._buf[keep:]
                     break
@@ -265,7 +265,7 @@ class HermesParser(ToolCallParser):
             else:
                 at = self._buf.find(self.CLOSE)
                 if at < 0:
-                    keep = len(self._buf) - _partial_suffix(self._buf, self.CLOSE)
+                    keep = len(self._buf) - partial_suffix(self._buf, self.CLOSE)
                     deltas += self._call.feed(self._buf[:keep])
                     self._buf = self._buf[keep:]
                     break
@@ -457,11 +457,16 @@ def parse_complete(parser: ToolCallParser, text: str) -> tuple[str | None, list[
     fragments that streaming emits, so both responses agree."""
     content, deltas = parser.feed(text)
     tail, more = parser.finish()
+    content += tail
+    return (content if content.strip() else None), parse_fragments([*deltas, *more])
+
+
+def parse_fragments(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Streamed call fragments joined into whole calls, in call order."""
     calls: dict[int, ToolCall] = {}
-    for delta in (*deltas, *more):
+    for delta in deltas:
         if delta.id is not None:
             calls[delta.index] = ToolCall(id=delta.id, name=delta.name or "", arguments=delta.arguments)
         else:
             calls[delta.index].arguments += delta.arguments
-    content += tail
-    return (content if content.strip() else None), [calls[i] for i in sorted(calls)]
+    return [calls[i] for i in sorted(calls)]

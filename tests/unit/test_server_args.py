@@ -66,7 +66,8 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
              "--prefix-cache-scope", "global",
              "--key-limits", str(limits), "--rate-limit-rpm", "7", "--rate-limit-tpm", "900",
              "--public-metrics", "--no-access-log", "--log-level", "debug", "--shutdown-timeout", "3",
-             "--tool-call-parser", "hermes", "--max-queued-requests", "5", "--max-body-bytes", "1000",
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-queued-requests", "5",
+             "--max-body-bytes", "1000",
              "--max-n", "2", "--max-tokens-limit", "64", "--max-stop-strings", "3",
              "--max-stop-string-chars", "9", "--max-logit-bias", "4", "--max-top-logprobs", "5",
              "--max-messages", "6", "--max-prompts", "7", "--max-queued-sequences", "8",
@@ -79,7 +80,8 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
         rate_limits=(("*", RateLimit(requests_per_minute=7, tokens_per_minute=900)),
                      ("alice", RateLimit(requests_per_minute=5, tokens_per_minute=900))),
         public_metrics=True, access_log=False, log_level="debug", shutdown_timeout_s=3.0,
-        tool_call_parser="hermes", max_queued_requests=5, max_body_bytes=1000, max_n=2, max_tokens_limit=64,
+        tool_call_parser="hermes", reasoning_parser="qwen3", max_queued_requests=5, max_body_bytes=1000, max_n=2,
+        max_tokens_limit=64,
         max_stop_strings=3, max_stop_string_chars=9, max_logit_bias=4, max_top_logprobs=5, max_messages=6,
         max_prompts=7, max_queued_sequences=8, max_request_tokens=99, privileged_keys=("alice",),
     )  # fmt: skip
@@ -153,3 +155,12 @@ def test_the_terminal_commands_sample_as_sampling_params_but_for_their_declared_
     assert set(TERMINAL_SAMPLING) == {"max_tokens", "temperature"}  # a whole reply, greedy
     made = _sampling(build_parser().parse_args(command))
     assert made == SamplingParams(**TERMINAL_SAMPLING)
+
+
+def test_the_parser_flags_name_the_parsers_there_are() -> None:
+    from fornax.server_args import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from fornax.tools import PARSERS
+    from fornax.tools.reasoning import REASONING_FORMATS
+
+    assert set(REASONING_PARSERS) == {"auto", "none", *REASONING_FORMATS}
+    assert set(TOOL_CALL_PARSERS) - {"auto"} <= set(PARSERS)

@@ -33,29 +33,58 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 class GrammarState:
-    """One sequence's position in its grammar (an xgrammar GrammarMatcher)."""
+    """One sequence's position in its grammar (an xgrammar GrammarMatcher).
 
-    __slots__ = ("matcher", "vocab_size")
+    With a `gate` (the token ids of a reasoning model's `</think>`), the grammar starts only
+    after the output has taken those tokens: the reasoning before them is free text, and the
+    constraint holds for the answer (docs/structured-outputs.md).
+    """
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    __slots__ = ("_gate", "_tail", "matcher", "vocab_size")
+
+    def __init__(self, matcher: Any, vocab_size: int, gate: tuple[int, ...] = ()) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
+        self._gate = gate  # () once the grammar holds
+        self._tail: list[int] = []  # the last output tokens, while the gate is awaited
+
+    @property
+    def gated(self) -> bool:
+        """The output has not reached the point where the grammar starts."""
+        return bool(self._gate)
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may follow."""
-        return bool(self.matcher.is_terminated())
+        return not self._gate and bool(self.matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask row `row` (one bit per token id)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self._gate:
+            bitmask[row].fill_(-1)  # every token: the reasoning is free
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
         """Rows first_row .. first_row + len(drafts): the masks after each prefix of the drafts.
 
         The matcher walks the drafts and comes back. A draft the grammar rejects ends the
         walk: the target gives it no probability at its row, so verification rejects it
-        there and the rows after it are never read.
+        there and the rows after it are never read. While gated, rows are free up to the
+        draft that completes the gate, and the grammar's rows follow it.
         """
+        if self._gate:
+            tail = self._tail[:]
+            for j, token in enumerate(drafts):
+                bitmask[first_row + j].fill_(-1)
+                tail.append(token)
+                if tail[-len(self._gate) :] == list(self._gate):
+                    self._fill_walk(bitmask, first_row + j + 1, drafts[j + 1 :])
+                    return
+            bitmask[first_row + len(drafts)].fill_(-1)
+            return
+        self._fill_walk(bitmask, first_row, drafts)
+
+    def _fill_walk(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
         walked = 0
         for j, token in enumerate(drafts):
             self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
@@ -70,6 +99,8 @@ class GrammarState:
     def accept(self, tokens: list[int]) -> None:
         """Advance past tokens the sequence took. A token outside the grammar means the mask
         was not applied to its row: a bug that must end the request, not bend its output."""
+        if self._gate:
+            tokens = self._pass_gate(tokens)
         for token in tokens:
             if self.matcher.is_terminated():
                 return  # the stop token was taken; the scheduler finishes the request
@@ -81,6 +112,17 @@ class GrammarState:
                         "here (it asks for a character the vocabulary cannot produce)",
                     )
                 raise RuntimeError(f"token {token} is not allowed by the request's grammar")
+
+    def _pass_gate(self, tokens: list[int]) -> list[int]:
+        """Look for the gate in the output; returns the tokens after it (none while gated)."""
+        gate = list(self._gate)
+        for i, token in enumerate(tokens):
+            self._tail.append(token)
+            if self._tail[-len(gate) :] == gate:
+                self._gate, self._tail = (), []
+                return tokens[i + 1 :]
+        del self._tail[: -len(gate)]
+        return []
 
     def _dead_end(self) -> bool:
         """No token at all is allowed next: the sampler had nothing to choose from. A grammar
@@ -136,10 +178,10 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
             return compiled
 
-    def new_state(self, compiled: Any) -> GrammarState:
+    def new_state(self, compiled: Any, gate: tuple[int, ...] = ()) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size, gate)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()

@@ -50,6 +50,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
     # Where the constraint came from, for error messages ("response_format", "structured_outputs").
     origin: str = field(default="structured_outputs", compare=False)
+    # Text the output writes before the constraint starts: a reasoning model's `</think>`, so
+    # the thinking is free and the answer after it is constrained. None: from the first token.
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -30,14 +30,21 @@ from fornax.server.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     ResponseMessage,
+    StreamOptions,
     ToolCall,
     TopLogprob,
     Usage,
 )  # fmt: skip
 from fornax.tokenizer import Tokenizer
-from fornax.tools import ToolCallDelta, ToolCallParser, ToolPlan, parse_complete, tool_finish_reason
+from fornax.tools import ToolCallDelta, tool_finish_reason
+from fornax.tools.output import split_complete
+
+if TYPE_CHECKING:
+    from fornax.server.chat import ChatRun
 
 logger = logging.getLogger("fornax.server")
 SYSTEM_FINGERPRINT = f"fornax-{__version__}"
@@ -95,6 +102,24 @@ class TokenText:
             _append(result, text, _finite(e.logprob), top, choice)
         return result
 
+    def prompt_logprobs(
+        self, prompt_ids: list[int], entries: list[TokenLogprobs] | None, k: int | None
+    ) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: None for the first token, then each token's logprob and its
+        top-k alternatives, keyed by token id (None when they were not asked for)."""
+        if k is None or entries is None:
+            return None
+        out: PromptLogprobs = [None]
+        for tid, e in zip(prompt_ids[1:], entries, strict=False):
+            entry = {
+                str(tid): PromptLogprob(logprob=_finite(e.logprob), rank=e.rank, decoded_token=self(tid)[0])
+            }
+            for rank, (alt, lp) in enumerate(list(zip(e.top_ids, e.top_logprobs))[:k], start=1):
+                alt_lp = PromptLogprob(logprob=_finite(lp), rank=rank, decoded_token=self(alt)[0])
+                entry.setdefault(str(alt), alt_lp)
+            out.append(entry)
+        return out
+
 
 def _append(lp: CompletionLogprobs, text: str, logprob: float | None, top: dict[str, float] | None,
             choice: Choice) -> None:  # fmt: skip
@@ -134,26 +159,27 @@ async def collect(gen: Generation) -> Generation:
     return gen
 
 
-def chat_completion(
-    gen: Generation, model: str, k: int | None, text: TokenText, tools: ToolPlan | None = None
-) -> ChatCompletion:
+def chat_completion(run: ChatRun, model: str, k: int | None) -> ChatCompletion:
+    gen, text = run.gen, run.text
     choices = []
     for c in gen.choices:
-        parser = tools.new_parser() if tools is not None else None
-        message, finish_reason = ResponseMessage(content=c.text), c.finish_reason
-        if parser is not None:
-            content, calls = parse_complete(parser, c.text)
-            message = ResponseMessage(content=content, tool_calls=[
-                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                for call in calls
-            ] or None)  # fmt: skip
-            finish_reason = tool_finish_reason(bool(calls), c.finish_reason)
+        split = split_complete(run.splitter(), c.text)
+        calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                 for call in split.calls]  # fmt: skip
+        # With tools, blank text beside the calls is no content (OpenAI sends null).
+        content = split.content if run.tools.parser_name is None or split.content.strip() else None
+        message = ResponseMessage(content=run.echo + (content or "") if run.echo else content,
+                                  reasoning_content=split.reasoning, tool_calls=calls or None)  # fmt: skip
+        finish_reason = tool_finish_reason(bool(calls), c.finish_reason)
         logprobs = None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k))
         choices.append(
             ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason)
         )
+    prompt_lp = text.prompt_logprobs(
+        gen.prompts[0], gen.choices[0].prompt_logprobs, gen.prompt_logprobs_shown
+    )
     return ChatCompletion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
-                          fornax=gen.timings())  # fmt: skip
+                          fornax=gen.timings(), prompt_logprobs=prompt_lp)  # fmt: skip
 
 
 def completion(
@@ -168,8 +194,11 @@ def completion(
             if echo_texts is not None:
                 _extend(lp, text.completion_prompt(gen.prompts[c.prompt_index], c.prompt_logprobs, k, c))
             _extend(lp, text.completion(c.logprobs, k, c))
+        prompt_lp = text.prompt_logprobs(
+            gen.prompts[c.prompt_index], c.prompt_logprobs, gen.prompt_logprobs_shown
+        )
         choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lp,
-                                        finish_reason=c.finish_reason))  # fmt: skip
+                                        finish_reason=c.finish_reason, prompt_logprobs=prompt_lp))  # fmt: skip
     return Completion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
                       fornax=gen.timings())  # fmt: skip
 
@@ -202,87 +231,99 @@ def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
 
 
 async def chat_stream(
-    gen: Generation, model: str, k: int | None, text: TokenText, include_usage: bool,
-    tools: ToolPlan | None = None,
-) -> AsyncIterator[str]:  # fmt: skip
+    run: ChatRun, model: str, k: int | None, stream_options: StreamOptions | None
+) -> AsyncIterator[str]:
+    gen, text = run.gen, run.text
     head = _head(gen, model, int(time.time()))
-    # One parser per choice: its text is split into content and tool-call fragments as it comes.
-    parsers: dict[int, ToolCallParser | None] = {
-        c.index: tools.new_parser() if tools is not None else None for c in gen.choices
-    }
+    usage = UsageStream(gen, stream_options)
+    # One splitter per choice: its text is read into reasoning, content and call fragments as it comes.
+    splitters = {c.index: run.splitter() for c in gen.choices}
+    prompt_lp_sent = gen.prompt_logprobs_shown is None
     try:
         for c in gen.choices:
-            role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
-            yield sse(ChatCompletionChunk(**head, choices=[role]))
+            role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=run.echo))
+            yield sse(ChatCompletionChunk(**head, choices=[role], usage=usage.now()))
         async for c, out in gen.outputs():
             lp = (
                 None
                 if k is None or not out.new_logprobs
                 else ChatLogprobs(content=text.chat(out.new_logprobs, k))
             )
-            parser = parsers[c.index]
-            content, calls = out.new_text, None
-            if parser is not None:
-                content, deltas = parser.feed(out.new_text)
-                if out.finished:
-                    rest, more = parser.finish()
-                    content, deltas = content + rest, deltas + more
-                calls = _delta_calls(deltas)
-            if content or calls or lp is not None:
-                delta = DeltaMessage(content=content if content or calls is None else None, tool_calls=calls)
-                yield sse(
-                    ChatCompletionChunk(
-                        **head, choices=[ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)]
-                    )
-                )
+            splitter = splitters[c.index]
+            piece = splitter.feed(out.new_text)
             if out.finished:
-                reason = (
-                    tool_finish_reason(parser.called, c.finish_reason)
-                    if parser is not None
-                    else c.finish_reason
-                )
+                piece += splitter.finish()
+            calls = _delta_calls(piece.calls)
+            prompt_lp = None
+            if not prompt_lp_sent and c.prompt_logprobs is not None:
+                prompt_lp_sent = True
+                prompt_lp = text.prompt_logprobs(gen.prompts[0], c.prompt_logprobs, gen.prompt_logprobs_shown)
+            if piece or lp is not None or prompt_lp is not None:
+                plain = piece.content or not (calls or piece.reasoning)  # "" kept beside logprobs alone
+                delta = DeltaMessage(content=piece.content if plain else None,
+                                     reasoning_content=piece.reasoning or None, tool_calls=calls)  # fmt: skip
+                choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)
+                yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage.now(),
+                                              prompt_logprobs=prompt_lp))  # fmt: skip
+            if out.finished:
+                reason = tool_finish_reason(splitter.called, c.finish_reason)
                 end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
-                yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings()))
-        if include_usage:
+                yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings(),
+                                              usage=usage.now()))  # fmt: skip
+        if usage.at_end:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(gen)))
     except Exception as exc:
-        yield sse(_stream_error(exc))
+        yield sse(stream_error(exc))
     yield SSE_DONE
+
+
+class UsageStream:
+    """Which stream chunks carry usage: the final one (`include_usage`), and with vLLM's
+    `continuous_usage_stats` every one, counting the tokens so far."""
+
+    def __init__(self, gen: Generation, options: StreamOptions | None) -> None:
+        self.gen = gen
+        self.at_end = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous_usage_stats)
+
+    def now(self) -> Usage | None:
+        return usage_of(self.gen) if self.continuous else None
 
 
 async def completion_stream(
     gen: Generation, model: str, k: int | None, text: TokenText, echo_texts: list[str] | None,
-    include_usage: bool,
+    stream_options: StreamOptions | None,
 ) -> AsyncIterator[str]:  # fmt: skip
     head = _head(gen, model, int(time.time()))
+    usage = UsageStream(gen, stream_options)
     try:
-        echoed: set[int] = set()
+        started: set[int] = set()
         async for c, out in gen.outputs():
-            if echo_texts is not None and c.index not in echoed:
-                # The prompt's logprobs come with a choice's first output: echo it then.
-                echoed.add(c.index)
+            if c.index not in started and (echo_texts is not None or gen.prompt_logprobs_shown is not None):
+                # The prompt's logprobs come with a choice's first output: echo it, and them, then.
+                started.add(c.index)
                 prompt_ids = gen.prompts[c.prompt_index]
-                lp = None if k is None else text.completion_prompt(prompt_ids, c.prompt_logprobs, k, c)
-                first = CompletionChoice(index=c.index, text=echo_texts[c.prompt_index], logprobs=lp)
-                yield sse(Completion(**head, choices=[first]))
+                echo = echo_texts[c.prompt_index] if echo_texts is not None else ""
+                lp = (None if k is None or echo_texts is None
+                      else text.completion_prompt(prompt_ids, c.prompt_logprobs, k, c))  # fmt: skip
+                prompt_lp = text.prompt_logprobs(prompt_ids, c.prompt_logprobs, gen.prompt_logprobs_shown)
+                first = CompletionChoice(index=c.index, text=echo, logprobs=lp, prompt_logprobs=prompt_lp)
+                yield sse(Completion(**head, choices=[first], usage=usage.now()))
             lp = None if k is None or not out.new_logprobs else text.completion(out.new_logprobs, k, c)
             if out.new_text or lp is not None:
-                yield sse(
-                    Completion(
-                        **head, choices=[CompletionChoice(index=c.index, text=out.new_text, logprobs=lp)]
-                    )
-                )
+                choice = CompletionChoice(index=c.index, text=out.new_text, logprobs=lp)
+                yield sse(Completion(**head, choices=[choice], usage=usage.now()))
             if out.finished:
                 end = CompletionChoice(index=c.index, text="", finish_reason=c.finish_reason)
-                yield sse(Completion(**head, choices=[end], fornax=c.fornax_timings()))
-        if include_usage:
+                yield sse(Completion(**head, choices=[end], fornax=c.fornax_timings(), usage=usage.now()))
+        if usage.at_end:
             yield sse(Completion(**head, choices=[], usage=usage_of(gen)))
     except Exception as exc:
-        yield sse(_stream_error(exc))
+        yield sse(stream_error(exc))
     yield SSE_DONE
 
 
-def _stream_error(exc: Exception) -> dict[str, Any]:
+def stream_error(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ValueError):
         return error_body(str(exc), "invalid_request_error")
     if isinstance(exc, RequestFailedError):  # the engine logged it; this request alone ended
