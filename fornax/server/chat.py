@@ -54,20 +54,19 @@ class ChatRun:
     continued: str  # the text the output continues: the prompt, or the continued final message
     text: TokenText
     echo: str  # prepended to each choice's content (chat's `echo` with a continued message)
+    show_reasoning: bool = True  # false: the reasoning is split off and dropped (include_reasoning)
 
     def splitter(self) -> OutputSplitter:
         """A fresh reader for one choice's text: reasoning first, then tool calls in the answer."""
         parser = self.reasoning.new_parser(self.continued) if self.reasoning is not None else None
-        return OutputSplitter(parser, self.tools.new_parser())
+        return OutputSplitter(parser, self.tools.new_parser(), keep_reasoning=self.show_reasoning)
 
 
 def reasoning_of(
     req: ChatCompletionRequest, template: str | None, configured: str | None
 ) -> ReasoningFormat | None:
     """The reasoning format for this request: the server's --reasoning-parser, else the one the
-    template implies; none when the request turned reasoning off or asked not to see it."""
-    if not req.include_reasoning:
-        return None
+    template implies (None: the output is all answer)."""
     name = configured if configured is not None else default_reasoning_parser(template)
     if name is None or name == "none":
         return None
@@ -120,7 +119,7 @@ async def start_chat(
     gen = start_generation(state, request, engine, prefix, endpoint, [ids], params, req.priority, req.stream)
     gen.prompt_logprobs_shown = req.prompt_logprobs
     echo = continued_message if req.echo and continued_message is not None else ""
-    return ChatRun(gen, tools, reasoning, continued, TokenText(engine.tokenizer), echo)
+    return ChatRun(gen, tools, reasoning, continued, TokenText(engine.tokenizer), echo, req.include_reasoning)
 
 
 def _check_continuation(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str | None:

@@ -137,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the continued final assistant message starts the content
     # Reasoning models: OpenAI's effort maps to the template's thinking switch ("none": off);
-    # include_reasoning false leaves the thinking in `content` (vLLM's).
+    # include_reasoning false drops the thinking from the reply (vLLM's).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     include_reasoning: bool = True
 

@@ -32,8 +32,14 @@ class Piece:
 class OutputSplitter:
     """Splits one sequence's text as it streams (either parser may be absent)."""
 
-    def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolCallParser | None = None) -> None:
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None = None,
+        tools: ToolCallParser | None = None,
+        keep_reasoning: bool = True,
+    ) -> None:
         self.reasoning, self.tools = reasoning, tools
+        self.keep_reasoning = keep_reasoning  # false: split off, and dropped
 
     @property
     def called(self) -> bool:
@@ -42,11 +48,11 @@ class OutputSplitter:
 
     def feed(self, text: str) -> Piece:
         thought, answer = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
-        return Piece(thought) + self._answer(answer, final=False)
+        return Piece(thought if self.keep_reasoning else "") + self._answer(answer, final=False)
 
     def finish(self) -> Piece:
         thought, answer = self.reasoning.finish() if self.reasoning is not None else ("", "")
-        return Piece(thought) + self._answer(answer, final=True)
+        return Piece(thought if self.keep_reasoning else "") + self._answer(answer, final=True)
 
     def _answer(self, text: str, final: bool) -> Piece:
         if self.tools is None:

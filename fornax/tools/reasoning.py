@@ -69,16 +69,19 @@ class ReasoningParser:
     """Splits one sequence's text, fed piece by piece, into (reasoning, answer) pieces.
 
     States: `before` (nothing but whitespace yet, and the start tag may still come), `reasoning`
-    and `answer`. Whitespace right after either tag is dropped, as the peers do, so the answer
-    does not open with the blank line templates put after `</think>`.
+    and `answer`; from `before`, untagged text goes where the prompt or the format left off.
+    Whitespace right after either tag is dropped, as the peers do, so the answer does not open
+    with the blank line templates put after `</think>`.
     """
 
     def __init__(self, fmt: ReasoningFormat, opened: bool = False) -> None:
         self.fmt = fmt
-        self.state = "reasoning" if opened or fmt.starts_in_reasoning else "before"
+        # Where text goes if it does not open with the start tag: into the reasoning when the
+        # prompt or the format already opened it (a repeated start tag is then dropped).
+        self._untagged = "reasoning" if opened or fmt.starts_in_reasoning else "answer"
+        self.state = "before"
         self._held = ""  # text not yet given out: a tag may be starting in it
-        self._skip_space = self.state == "reasoning"
-        self.saw_reasoning = self.state == "reasoning"
+        self._skip_space = False
 
     @property
     def in_answer(self) -> bool:
@@ -105,13 +108,14 @@ class ReasoningParser:
             if self.state == "before":
                 body = text.lstrip()
                 if body.startswith(self.fmt.start):
-                    text, self.state, self.saw_reasoning = body[len(self.fmt.start) :], "reasoning", True
+                    text, self.state = body[len(self.fmt.start) :], "reasoning"
                     self._skip_space = True
                 elif self.fmt.start.startswith(body) and not final:
                     self._held = text  # "<thi": the tag may be coming
                     break
                 else:
-                    self.state = "answer"
+                    self.state = self._untagged
+                    self._skip_space = self.state == "reasoning"
             elif self.state == "reasoning":
                 at = text.find(self.fmt.end)
                 if at >= 0:

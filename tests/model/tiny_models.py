@@ -8,6 +8,7 @@ and greedy argmax is not decided by float noise between near-equal candidates.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,30 +21,39 @@ TRAIN_TEXT = [
 ]
 
 
-def make_tokenizer_files(out: Path) -> None:
-    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json + config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def make_tokenizer_files(
+    out: Path, added_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+) -> None:
+    """A small byte-level BPE tokenizer, trained here, saved as tokenizer.json + config.
+    `added_tokens` (text tokens, not special: a reasoning model's `<think>`) take the last ids
+    of the model's vocabulary, so the trained part is smaller by as many."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
+        vocab_size=TINY_VOCAB - len(added_tokens),
         special_tokens=["<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TRAIN_TEXT * 4, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = (
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-    )
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out))
 
 
-def build_tiny_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
-    """Build, randomize and save a tiny model of `arch`; returns the fp32 HF model."""
+def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> torch.nn.Module:
+    """Build, randomize and save a tiny model of `arch`; returns the fp32 HF model.
+    `tokenizer`: make_tokenizer_files' options (added tokens, the chat template)."""
     import transformers
 
     common = {
@@ -97,5 +107,5 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
     model.eval()
     model.generation_config.eos_token_id = None  # compare full-length outputs
     model.save_pretrained(str(out))
-    make_tokenizer_files(out)
+    make_tokenizer_files(out, **tokenizer)
     return model
