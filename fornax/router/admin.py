@@ -1,7 +1,8 @@
 """Who may call the router, and the membership routes for orchestrators.
 
 Keys work as in `fornax serve`: with none configured the router is open; with any, every
-path but /health (and /metrics with --public-metrics) needs `Authorization: Bearer <key>`,
+path but /health (and /metrics with --public-metrics) needs `Authorization: Bearer <key>`
+(or `x-api-key: <key>`),
 compared with hmac.compare_digest against every key without stopping at a match. The
 /router/* routes need an admin key (--admin-key); with user keys but no admin key they
 answer 403 to everyone.
@@ -45,11 +46,13 @@ class Keys:
         self.keys += [(key.encode(), ADMIN) for _, key in config.admin_keys]
         self.public = {"/health", "/version"} | ({"/metrics"} if config.public_metrics else set())
 
-    def role(self, authorization: str | None) -> str | None:
+    def role(self, authorization: str | None, api_key: str | None = None) -> str | None:
+        """The role of the key presented as `Authorization: Bearer` or (Anthropic's clients)
+        `x-api-key`; None when it matches no key."""
         if not self.keys:
             return ADMIN  # an open router
         scheme, _, token = (authorization or "").partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        presented = token.strip().encode() if scheme.lower() == "bearer" else (api_key or "").strip().encode()
         found: str | None = None
         for key, role in self.keys:  # no early exit: the time taken does not tell which key
             if hmac.compare_digest(presented, key) and found is None:
@@ -61,7 +64,7 @@ class Keys:
         path: str = scope.get("path", "")
         if path in self.public or not self.keys:
             return None
-        role = self.role(_header(scope, b"authorization"))
+        role = self.role(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
         if role is None:
             return ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip

@@ -32,7 +32,7 @@ from fornax.router.config import RouterConfig
 from fornax.router.core import Router
 from fornax.router.cors import ReplicaOriginsCors
 from fornax.router.metrics import CONTENT_TYPE
-from fornax.router.prompt import route_request
+from fornax.router.prompt import RouteRequest, route_request
 from fornax.router.proxy import upstream_headers
 from fornax.router.replicas import ReplicaSet
 from fornax.server.errors import ApiError, install_error_handlers
@@ -44,7 +44,8 @@ routes = APIRouter()
 
 
 # path -> endpoint (the proxy's name for it, a metrics label)
-RELAY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/tokenize": "tokenize",
+RELAY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+               "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens", "/tokenize": "tokenize",
                "/detokenize": "detokenize"}  # fmt: skip
 
 
@@ -130,9 +131,14 @@ class Relay:
         headers = Headers(scope=scope)
         body = await read_body(receive, headers.get("content-length"), config.max_body_bytes)
         endpoint = RELAY_PATHS[path]
-        route = route_request(endpoint, await parse_json(body))
+        parsed = await parse_json(body)
+        route = route_request(endpoint, parsed)
         upstream = upstream_headers(headers, config.replica_api_key)
-        work = self.router.proxy.forward(endpoint, path, body, route, upstream)
+        # A turn that continues a stored response goes where that response is stored.
+        seeks = (
+            endpoint == "responses" and isinstance(parsed, dict) and bool(parsed.get("previous_response_id"))
+        )
+        work = self.router.proxy.forward(endpoint, path, body, route, upstream, seeks_stored=seeks)
         return await until_disconnected(receive, work)
 
 
@@ -203,6 +209,18 @@ async def models(request: Request) -> dict[str, Any]:
         for card in replica.model_cards:
             cards.setdefault(card["id"], card)
     return {"object": "list", "data": list(cards.values())}
+
+
+@routes.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+async def stored_response(request: Request, response_id: str) -> Response:
+    """A stored Responses object lives on the replica that made it: each replica is asked in
+    turn until one has it (a 404 from every one is the answer)."""
+    router = _router(request)
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    upstream = upstream_headers(request.headers, router.config.replica_api_key)
+    work = router.proxy.forward("responses", path, b"", RouteRequest("stored_response", None), upstream,
+                                method=request.method, seeks_stored=True)  # fmt: skip
+    return await until_disconnected(request.receive, work)
 
 
 @routes.get("/health")

@@ -26,9 +26,9 @@ class RouteRequest:
     __slots__ = ("_body", "_text", "_tokens", "endpoint", "model")
 
     def __init__(self, endpoint: str, model: str | None, body: dict[str, Any] | None = None) -> None:
-        self.endpoint = endpoint  # "chat", "completions", or another route's name
+        self.endpoint = endpoint  # "chat", "completions", "responses", "messages", or another route's name
         self.model = model  # None: the request names none (every replica qualifies)
-        self._body = body if endpoint in ("chat", "completions") else None
+        self._body = body if endpoint in PROMPT_TEXT or endpoint == "completions" else None
         self._text: str | None = None
         self._tokens: int | None = None
 
@@ -37,8 +37,8 @@ class RouteRequest:
         """The prefix-tree key ("" for non-generation routes)."""
         if self._text is None:
             body = self._body or {}
-            self._text = chat_text(body.get("messages")) if self.endpoint == "chat" else \
-                completion_text(body.get("prompt"))[0]  # fmt: skip
+            text_of = PROMPT_TEXT.get(self.endpoint)
+            self._text = text_of(body) if text_of is not None else completion_text(body.get("prompt"))[0]
         return self._text
 
     @property
@@ -75,6 +75,41 @@ def chat_text(messages: Any) -> str:
                 f"{role if isinstance(role, str) else ''}{_ROLE_END}{_content(message.get('content'))}"
             )
     return _MESSAGE_END.join(parts)
+
+
+def responses_text(body: dict[str, Any]) -> str:
+    """The Responses API's `instructions` and `input` (a string or items) as chat_text reads
+    messages: the same conversation gives the same key whichever chat-shaped API sent it. Items
+    other than messages (a function call's output) count by their text."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        items = []
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    messages = [
+        item if "role" in item else {"role": str(item.get("type")), "content": item.get("output") or ""}
+        for item in items
+        if isinstance(item, dict)
+    ]
+    return chat_text(system + messages)
+
+
+def messages_text(body: dict[str, Any]) -> str:
+    """Anthropic's `system` (a string or text blocks) and `messages`, as chat_text reads them."""
+    system = body.get("system")
+    first = [{"role": "system", "content": system}] if isinstance(system, (str, list)) else []
+    messages = body.get("messages")
+    return chat_text(first + (messages if isinstance(messages, list) else []))
+
+
+# The chat-shaped endpoints and how their bodies give the prefix-tree key.
+PROMPT_TEXT = {
+    "chat": lambda body: chat_text(body.get("messages")),
+    "responses": responses_text,
+    "messages": messages_text,
+}
 
 
 def _content(content: Any) -> str:

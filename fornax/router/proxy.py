@@ -36,7 +36,7 @@ from fornax.router.policies import Decision, Policy, Rotor, least_loaded
 from fornax.router.prompt import RouteRequest
 from fornax.router.replicas import EJECT_PASSIVE, Replica, ReplicaSet
 from fornax.router.stream import NotOpened, Opened, RelayResponse, Upstream, open_stream, relay
-from fornax.router.upstream import ClientError, post
+from fornax.router.upstream import ClientError, send
 from fornax.server.errors import ApiError
 
 logger = logging.getLogger("fornax.router")
@@ -46,7 +46,8 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 # expect: the router has the whole body already; a replica must not answer 100 Continue.
 DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
 DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server"}
-GENERATION = ("chat", "completions")  # the endpoints the policy routes; others go to the least loaded
+# The endpoints the policy routes; others go to the least loaded.
+GENERATION = ("chat", "completions", "responses", "messages")
 
 
 def backoff_delay(retry: int, base: float, cap: float, rng: random.Random | None = None) -> float:
@@ -60,7 +61,7 @@ def backoff_delay(retry: int, base: float, cap: float, rng: random.Random | None
 class Failure:
     """A failed attempt; status/headers/content: the replica's answer, if it gave one."""
 
-    kind: str  # transport_error, server_error, not_ready, rate_limited
+    kind: str  # transport_error, server_error, not_ready, rate_limited, not_here
     replica: Replica
     message: str
     status: int | None = None
@@ -78,6 +79,10 @@ class Attempt:
     headers: dict[str, str]
     started: float  # perf_counter at arrival
     number: int = 0
+    method: str = "POST"
+    # A stored response's id is named (GET/DELETE /v1/responses/{id}, previous_response_id): it
+    # lives on the replica that made it, so a 404 sends the request on to the next replica.
+    seeks_stored: bool = False
 
 
 class Lease:
@@ -102,14 +107,21 @@ class Proxy:
         self._rotor = Rotor()
 
     # -- the attempt loop --
-    async def forward(self, endpoint: str, path: str, body: bytes, route: RouteRequest,
-                      headers: dict[str, str]) -> Response:  # fmt: skip
-        ctx = Attempt(endpoint, path, body, headers, time.perf_counter())
+    async def forward(self, endpoint: str, path: str, body: bytes, route: RouteRequest, headers: dict[str, str],
+                      method: str = "POST", seeks_stored: bool = False) -> Response:  # fmt: skip
+        ctx = Attempt(
+            endpoint, path, body, headers, time.perf_counter(), method=method, seeks_stored=seeks_stored
+        )
         self.check_model(route.model)
         tried: set[str] = set()
         failure: Failure | None = None
-        for number in range(1, self.config.max_attempts + 1):
-            if failure is not None:
+        # Seeking a stored response may ask every replica once, beyond the retry budget.
+        attempts = max(self.config.max_attempts, len(self.replicas.members()) if seeks_stored else 0)
+        for number in range(1, attempts + 1):
+            if failure is not None and failure.kind == "not_here":
+                if all(r.url in tried for r in self.candidates(route.model, tried)):
+                    break  # every replica said it does not have it: the last 404 is the answer
+            elif failure is not None:
                 cfg = self.config
                 await asyncio.sleep(backoff_delay(number - 1, cfg.backoff_base_s, cfg.backoff_max_s))
             decision = self.decide(route, tried)
@@ -165,8 +177,8 @@ class Proxy:
         replica = decision.replica
         lease, resp, handed_off = Lease(replica), None, False
         try:
-            resp = await post(self.session, replica.url, ctx.path, ctx.body, ctx.headers)
-            failure = await self._status_failure(resp, replica)
+            resp = await send(self.session, ctx.method, replica.url, ctx.path, ctx.body, ctx.headers)
+            failure = await self._status_failure(resp, replica, ctx)
             if failure is not None:
                 return failure
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
@@ -186,13 +198,18 @@ class Proxy:
                 if resp is not None:
                     resp.release()  # read to its end: the connection is kept; else it is closed
 
-    async def _status_failure(self, resp: aiohttp.ClientResponse, replica: Replica) -> Failure | None:
+    async def _status_failure(
+        self, resp: aiohttp.ClientResponse, replica: Replica, ctx: Attempt
+    ) -> Failure | None:
         status = resp.status
-        if status != 429 and (status < 500 or status in (501, 505)):
+        seeking = ctx.seeks_stored and status == 404
+        if status != 429 and (status < 500 or status in (501, 505)) and not seeking:
             return None  # success, or the client's error (501/505: the same answer everywhere)
         content = await resp.read()
         failure = Failure("", replica, f"answered {status}", status, dict(resp.headers), content)
-        if status == 429:
+        if seeking:
+            failure.kind = "not_here"
+        elif status == 429:
             failure.kind = "rate_limited"
         elif status == 503:
             failure.kind = "not_ready"
@@ -278,10 +295,10 @@ def outcome_of(status: int) -> str:
 
 
 def upstream_headers(client_headers: Mapping[str, str], replica_key: str | None) -> dict[str, str]:
-    """The client's headers as a replica gets them: hop-by-hop ones dropped, and the
-    Authorization replaced by the replica key when the router has one."""
+    """The client's headers as a replica gets them: hop-by-hop ones dropped, and the client's
+    key (Authorization or x-api-key) replaced by the replica key when the router has one."""
     out = {k: v for k, v in client_headers.items() if k.lower() not in DROP_REQUEST}
-    if replica_key is not None:
-        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+    if replica_key is not None:  # the client's key, in either header Anthropic's and OpenAI's clients use
+        out = {k: v for k, v in out.items() if k.lower() not in ("authorization", "x-api-key")}
         out["authorization"] = f"Bearer {replica_key}"
     return out

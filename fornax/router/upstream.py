@@ -52,7 +52,8 @@ def open_session(config: RouterConfig) -> aiohttp.ClientSession:
                                  trust_env=False)  # fmt: skip
 
 
-async def post(session: aiohttp.ClientSession, base_url: str, path: str, body: bytes,
+async def send(session: aiohttp.ClientSession, method: str, base_url: str, path: str, body: bytes,
                headers: Mapping[str, str]) -> aiohttp.ClientResponse:  # fmt: skip
     """Send; the answer once its head is in. Its body streams: read it, then `release()`."""
-    return await session.post(base_url + path, data=body, headers=headers, allow_redirects=False)
+    data = body if method == "POST" else None
+    return await session.request(method, base_url + path, data=data, headers=headers, allow_redirects=False)

@@ -2,9 +2,9 @@
 chooses: the router's failover rules checked in milliseconds, without a model.
 
 It speaks enough of the fornax API: /health, /metrics (the real gauge names, written by
-prometheus_client), /v1/models, and chat/completions answering plain JSON or a stream of
-SSE chunks like the real server's. `StubReplica.mode` says how the next generation
-requests fail (see `_generate`).
+prometheus_client), /v1/models, chat/completions answering plain JSON or a stream of SSE
+chunks like the real server's, and stored Responses (kept by the replica that made them).
+`StubReplica.mode` says how the next generation requests fail (see `_generate`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class StubReplica:
         self.requests: list[dict[str, Any]] = []
         self.peers: list[int] = []  # the client port of each generation request
         self.poll_auth: dict[str, set[str | None]] = {}  # GET path -> the Authorization headers it got
+        self.stored: set[str] = set()  # the Responses ids this replica holds
 
     @property
     def url(self) -> str:
@@ -137,6 +138,27 @@ class StubReplica:
             self.peers.append(request.client.port if request.client else 0)
             return await self._generate(body, request.headers.get("authorization"))
 
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            body = await request.json()
+            self.requests.append(body)
+            previous = body.get("previous_response_id")
+            if previous and previous not in self.stored:
+                return _not_found(previous)
+            rid = f"resp_{self.name}_{len(self.requests)}"
+            self.stored.add(rid)
+            return JSONResponse({"id": rid, "object": "response", "replica": self.name, "previous": previous})
+
+        @app.api_route("/v1/responses/{rid}", methods=["GET", "DELETE"])
+        async def stored(request: Request, rid: str) -> Response:
+            self.requests.append({"method": request.method, "id": rid})
+            if rid not in self.stored:
+                return _not_found(rid)
+            if request.method == "DELETE":
+                self.stored.discard(rid)
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+            return JSONResponse({"id": rid, "object": "response", "replica": self.name})
+
         return app
 
     async def _generate(self, body: dict[str, Any], auth: str | None) -> Response:
@@ -173,3 +195,13 @@ class StubReplica:
             yield chunk(f"{self.name}-{i} ")
         yield chunk(finish="stop")
         yield "data: [DONE]\n\n"
+
+
+def _not_found(rid: str) -> Response:
+    err = {
+        "message": f"no response {rid}",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+    return JSONResponse({"error": err}, 404)

@@ -143,3 +143,15 @@ def test_route_request_facts() -> None:
     assert (other.model, other.text, other.est_tokens) == (None, "", 0)
     batch = route_request("completions", {"prompt": [[1, 2, 3], "abcdefgh"]})
     assert batch.est_tokens == 5 and batch.text == "1,2,3,\x1eabcdefgh"
+
+
+def test_one_conversation_is_one_key_whichever_chat_shaped_api_sends_it() -> None:
+    chat = route_request("chat", {"messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "Hi"}]})  # fmt: skip
+    responses = route_request("responses", {"instructions": "Be brief.", "input": "Hi"})
+    items = route_request("responses", {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]})  # fmt: skip
+    messages = route_request("messages", {"system": [{"type": "text", "text": "Be brief."}],
+                                          "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    assert chat.text == responses.text == items.text == messages.text == "system\x1fBe brief.\x1euser\x1fHi"
+    assert route_request("responses", {"input": 5}).text == ""

@@ -388,3 +388,43 @@ def test_body_limit_and_bad_json(stubs: tuple[StubReplica, StubReplica]) -> None
         )
         assert r.status_code in (400, 422)  # the replica's answer, relayed (the stub is FastAPI)
         assert r.headers["x-fornax-replica"] == a.url
+
+
+def test_stored_responses_are_found_on_the_replica_that_holds_them(
+    stubs: tuple[StubReplica, StubReplica],
+) -> None:
+    a, b = stubs
+    with router([a.url, b.url]) as (url, _):
+        first = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Hi"}, timeout=10).json()
+        holder, other = (a, b) if first["replica"] == "a" else (b, a)
+        for _ in range(3):  # round-robin would send every other one elsewhere
+            body = {"model": MODEL, "input": "And?", "previous_response_id": first["id"]}
+            turn = httpx.post(url + "/v1/responses", json=body, timeout=10)
+            assert turn.status_code == 200 and turn.json()["replica"] == holder.name
+        got = httpx.get(url + f"/v1/responses/{first['id']}", timeout=10)
+        assert got.status_code == 200 and got.json()["replica"] == holder.name
+        assert httpx.delete(url + f"/v1/responses/{first['id']}", timeout=10).json()["deleted"] is True
+        missing = httpx.get(url + f"/v1/responses/{first['id']}", timeout=10)
+        assert (
+            missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        )  # both were asked
+        assert [r for r in other.requests if r.get("method") == "GET"] and not other.stored
+        lost = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "nope"},
+                          timeout=10)  # fmt: skip
+        assert lost.status_code == 404 and lost.headers["x-fornax-attempts"] == "2"
+        for stub in stubs:
+            assert stub.health_status == 200 and stub.mode == "ok"  # a 404 ejects nobody
+
+
+def test_anthropic_clients_key_header_is_a_key(stubs: tuple[StubReplica, StubReplica]) -> None:
+    a, b = stubs
+    with router([a.url, b.url], api_keys=(("alice", "sk-a"),)) as (url, _):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        assert (
+            httpx.post(url + "/v1/chat/completions", json=body, headers={"x-api-key": "sk-a"}).status_code
+            == 200
+        )
+        assert (
+            httpx.post(url + "/v1/chat/completions", json=body, headers={"x-api-key": "sk-b"}).status_code
+            == 401
+        )

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from fornax.router.config import RouterConfig
-from fornax.router.upstream import ClientError, open_session, post
+from fornax.router.upstream import ClientError, open_session, send
 
 OK = b"HTTP/1.1 200 OK\r\nset-cookie: session=leak\r\ncontent-length: 2\r\n\r\n{}"
 Answer = Callable[[asyncio.StreamWriter], Awaitable[None]]
@@ -57,8 +57,8 @@ def test_only_the_clients_headers_and_no_cookies() -> None:
         session = open_session(RouterConfig())
         try:
             for _ in range(2):
-                resp = await post(
-                    session, url_of(server), "/v1/completions", b"{}", {"authorization": "Bearer k"}
+                resp = await send(
+                    session, "POST", url_of(server), "/v1/completions", b"{}", {"authorization": "Bearer k"}
                 )
                 assert resp.status == 200 and await resp.read() == b"{}"
                 resp.release()
@@ -80,7 +80,7 @@ def test_a_silent_replica_is_a_client_error() -> None:
         session = open_session(RouterConfig(read_timeout_s=0.2))
         try:
             with pytest.raises(ClientError):
-                await post(session, url_of(server), "/v1/completions", b"{}", {})
+                await send(session, "POST", url_of(server), "/v1/completions", b"{}", {})
         finally:
             await session.close()
             server.close()
