@@ -129,6 +129,13 @@ class ServerArgs:
         "(auto: by chat template; none: never)",
         choices=list(REASONING_PARSERS),
     )
+    max_stored_responses: int = _arg(
+        _default("max_stored_responses"),
+        "Responses API responses kept for GET and previous_response_id, all keys together; when full, "
+        "the key holding the most loses its least recently used (0: none kept)",
+        type=int,
+        metavar="N",
+    )
     max_queued_requests: int = _limit("max_queued_requests")
     max_body_bytes: int = _limit("max_body_bytes")
     max_n: int = _limit("max_n")
@@ -182,6 +189,7 @@ class ServerArgs:
             shutdown_timeout_s=self.shutdown_timeout,
             tool_call_parser=None if self.tool_call_parser == "auto" else self.tool_call_parser,
             reasoning_parser=None if self.reasoning_parser == "auto" else self.reasoning_parser,
+            max_stored_responses=self.max_stored_responses,
             **limits,
         )  # fmt: skip
 

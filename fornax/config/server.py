@@ -58,13 +58,16 @@ class ServerConfig:
     # first request and keeps at most K, unloading the least recently used idle one.
     max_loaded_models: int | None = None
     model_load_timeout_s: float = 300.0  # how long a request waits for its model to load
+    # Responses API responses kept for GET and previous_response_id, all keys together
+    # (server/response_store.py); 0 keeps none.
+    max_stored_responses: int = 1000
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if not self.served_model_names:
             raise ConfigError("at least one served model name is needed")
-        for name in ("max_queued_requests", "max_stop_strings", "max_logit_bias"):
+        for name in ("max_queued_requests", "max_stop_strings", "max_logit_bias", "max_stored_responses"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("max_body_bytes", "max_n", "max_stop_string_chars", "max_messages", "max_prompts",

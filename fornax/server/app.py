@@ -27,12 +27,14 @@ from fornax.config import EngineConfig, ServedModelConfig, ServerConfig
 from fornax.metrics.live import LiveStats
 from fornax.metrics.prometheus import Metrics
 from fornax.server import body_parser
+from fornax.server.anthropic_messages import router as messages_router
 from fornax.server.api import router
 from fornax.server.auth import Gate, KeyStore
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
 from fornax.server.model_set import ModelLeases, ModelSet, ServedModel
+from fornax.server.openai_responses import router as responses_router
 from fornax.server.openapi import install_openapi
 from fornax.server.state import ServerState
 from fornax.server.tenancy import log_tenancy
@@ -88,6 +90,8 @@ def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModel
     app.state.live = model_set.primary.live
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(messages_router)
+    app.include_router(responses_router)
     app.include_router(metrics_router)
     app.include_router(visualizer_router)
     app.add_middleware(ModelLeases, models=model_set)

@@ -1,12 +1,13 @@
 """API keys and the gate every HTTP request passes before routing.
 
-Default deny: with keys configured, every path needs `Authorization: Bearer <key>` except
-/health (and /metrics with --public-metrics). The key is compared against every configured
-key with hmac.compare_digest, without stopping at the first match, so timing does not tell
-which key (or how much of one) was right. Each key has a role (server/tenancy.py): /admin/*
-answers 403 to a user key. The gate puts the key's name and role on the request scope's
-state (`key_name`, `key_role`). It also answers 503 while the model loads or the server
-drains, so no route has to check.
+Default deny: with keys configured, every path needs `Authorization: Bearer <key>` (or
+`x-api-key: <key>`, the header Anthropic's clients send) except /health (and /metrics with
+--public-metrics); when both headers come, the Bearer token is the one checked. The key is
+compared against every configured key with hmac.compare_digest, without stopping at the first
+match, so timing does not tell which key (or how much of one) was right. Each key has a role
+(server/tenancy.py): /admin/* answers 403 to a user key. The gate puts the key's name and
+role on the request scope's state (`key_name`, `key_role`). It also answers 503 while the
+model loads or the server drains, so no route has to check.
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ class KeyStore:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def identify(self, authorization: str | None) -> tuple[str, str] | None:
-        """(name, role) of the key in an Authorization header, or None if it matches none.
-        With no keys configured everyone is the anonymous admin (an open server)."""
+    def identify(self, authorization: str | None, api_key: str | None = None) -> tuple[str, str] | None:
+        """(name, role) of the key in an Authorization header (a Bearer token), else in an
+        x-api-key header; None if it matches none. With no keys configured everyone is the
+        anonymous admin (an open server)."""
         if not self._keys:
             return ANONYMOUS, ADMIN
         scheme, _, token = (authorization or "").partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not presented and api_key is not None:
+            presented = api_key.strip().encode()
         found: tuple[str, str] | None = None
         for name, key, role in self._keys:  # no early exit: compare against all keys
             if hmac.compare_digest(presented, key) and found is None:
@@ -68,10 +72,11 @@ class Gate:
             return
         path: str = scope.get("path", "")
         if path not in self.public and not path.startswith(_PUBLIC_PAGE_PREFIX):
-            who = self.keys.identify(_header(scope, b"authorization"))
+            who = self.keys.identify(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             if who is None:
-                err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>')", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
                 await _send(err, scope, receive, send)
                 return
             scope.setdefault("state", {}).update(key_name=who[0], key_role=who[1])
@@ -99,7 +104,7 @@ def _unavailable(state: ServerState) -> ApiError:
 
 
 async def _send(err: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
-    response: JSONResponse = err.response()
+    response: JSONResponse = err.response(scope.get("path", ""))  # the envelope depends on the path
     await response(scope, receive, send)
 
 

@@ -2,7 +2,7 @@
 chat template, its tools and output constraint planned, and the generation started.
 
 Chat completions, OpenAI's Responses and Anthropic's Messages (server/api.py,
-server/responses_api.py, server/messages_api.py) each translate their request into a
+server/openai_responses.py, server/anthropic_messages.py) each translate their request into a
 `ChatCompletionRequest` and call `start_chat`; each then shapes the same `ChatRun` into its own
 answer, reading reasoning, text and tool calls apart with `ChatRun.splitter()`.
 """

@@ -2,7 +2,8 @@
 
 Every error a client can see is `{"error": {"message", "type", "param", "code"}}`, with a
 4xx status for anything the client did and 500 only for real bugs (logged with their
-traceback here, never sent to the client).
+traceback here, never sent to the client). The one exception is Anthropic's Messages API
+(/v1/messages*), whose errors take Anthropic's envelope: the handlers choose it by path.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+# Anthropic's Messages API (server/anthropic_messages.py) answers errors in Anthropic's envelope,
+# `{"type": "error", "error": {"type", "message"}}`, with Anthropic's type names: every error on
+# its paths, the gate's and the validator's included, takes it here, chosen by the request's path.
+# A fornax 503 (loading, draining, a stopped engine, a request ended by a shutdown) is Anthropic's
+# "overloaded_error": the server cannot take it now, try again later (or elsewhere).
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 class ApiError(Exception):
@@ -52,17 +69,30 @@ class ApiError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.param, self.code, self.headers = param, code, headers
 
-    def envelope(self) -> dict[str, Any]:
+    def envelope(self, path: str = "") -> dict[str, Any]:
+        """The error body for a request to `path`: Anthropic's on the Messages API's paths."""
+        if is_anthropic_path(path):
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
         from fastapi.responses import JSONResponse
 
-        return JSONResponse(self.envelope(), status_code=self.status, headers=self.headers)
+        return JSONResponse(self.envelope(path), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error envelope; statuses it has no name for are invalid requests (4xx) or api_error."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -95,28 +125,29 @@ def install_error_handlers(app: FastAPI) -> None:
     from starlette.requests import ClientDisconnect
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         message = {404: "no such route", 405: "method not allowed"}.get(status, str(exc.detail))
         code = {404: "unknown_url"}.get(status)
-        return ApiError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
+        headers = getattr(exc, "headers", None)
+        return ApiError(status, message, code=code, headers=headers).response(request.url.path)
 
     @app.exception_handler(ClientDisconnect)
-    async def _client_gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
         # The client left while its body was being read: no bug, and nobody to answer. Left to
         # the handler below it was logged as one (twice) and counted as a 500. 499: nginx's
         # "client closed request", as the routes answer a client gone during generation.
-        return ApiError(499, "client closed the request").response()
+        return ApiError(499, "client closed the request").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, "internal server error", code="internal_error").response()
+        return ApiError(500, "internal server error", code="internal_error").response(request.url.path)

@@ -15,12 +15,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from fornax.server.anthropic_protocol import MessagesCountTokensRequest, MessagesRequest
 from fornax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from fornax.server.responses_protocol import ResponsesRequest
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -28,6 +30,9 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/fornax/tokens": TokenizeRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": MessagesCountTokensRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _REF = "#/components/schemas/{model}"
 # One working body per route: documentation for a reader, and the explicit case that a
@@ -41,6 +46,9 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
     "/tokenize": {"prompt": "LLM inference is"},
     "/detokenize": {"tokens": [1, 2, 3]},
     "/v1/fornax/tokens": {"messages": [{"role": "user", "content": "What is LLM inference?"}]},
+    "/v1/messages": {"messages": [{"role": "user", "content": "What is LLM inference?"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "What is LLM inference?"}]},
+    "/v1/responses": {"input": "What is LLM inference?", "max_output_tokens": 4},
 }
 PUBLIC_PATHS = frozenset({"/health"})
 

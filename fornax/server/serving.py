@@ -2,7 +2,7 @@
 lease the named model's engine, admit the work, run it to the end or stream it.
 
 The chat, completions, Responses and Messages routes (server/api.py, server/chat.py,
-server/responses_api.py, server/messages_api.py) differ only in how they read their request and
+server/openai_responses.py, server/anthropic_messages.py) differ only in how they read their request and
 shape their answer; everything here is shared so that admission, per-key limits, the prefix
 cache salt, disconnects and engine failures behave alike on all of them.
 """
@@ -10,6 +10,7 @@ cache salt, disconnects and engine failures behave alike on all of them.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import anyio
@@ -69,10 +70,12 @@ def start_generation(
                       request.state.served_model, cache_salt=salt)  # fmt: skip
 
 
-async def run_to_end(request: Request, gen: Generation) -> None:
-    """Run a non-streaming generation to the end, unless the client leaves first."""
+async def run_to_end(request: Request, gen: Generation, work: Awaitable[Any] | None = None) -> None:
+    """Run a non-streaming generation to the end, unless the client leaves first. `work`, when
+    given, is what reads `gen`'s outputs instead of a plain collect (Messages builds its content
+    blocks from them as it would stream them: server/anthropic_messages.py)."""
     try:
-        await unless_disconnected(request, collect(gen))
+        await unless_disconnected(request, collect(gen) if work is None else work)
     except ClientGone:
         raise ClientClosed from None
     except EngineDeadError as exc:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from fornax.config import EngineConfig, ServerConfig
 from fornax.server.model_set import ModelSet
+from fornax.server.response_store import ResponseStore
 from fornax.server.tenancy import Tenancy
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class RequestRecord:
     the metrics see it (the last through the fields they declare: metrics/records.py)."""
 
     request_id: str
-    endpoint: str  # "chat" | "completions"
+    endpoint: str  # "chat" | "completions" | "messages" (Anthropic's Messages API) | "responses" (OpenAI's)
     model: str  # the served model's (first) name: whose metrics count it
     key_name: str
     num_prompt_tokens: int
@@ -81,9 +82,11 @@ class ServerState:
     usage: dict[str, KeyUsage] = field(default_factory=dict)
     record_listeners: list[Callable[[RequestRecord], None]] = field(default_factory=list)
     tenancy: Tenancy = field(init=False)  # owners of requests, cache salts, rate limits
+    responses: ResponseStore = field(init=False)  # kept Responses API responses, by key
 
     def __post_init__(self) -> None:
         self.tenancy = Tenancy(self.config)
+        self.responses = ResponseStore(self.config.max_stored_responses)
 
     @property
     def engine(self) -> AsyncEngine | None:

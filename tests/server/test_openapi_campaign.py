@@ -1,8 +1,8 @@
 """The fault campaign's generated half: schemathesis reads the live server's /openapi.json
 and sends a bounded number of generated requests to every public route, with an admin key,
-with a user key and with none. No answer may be a 5xx, every error must be OpenAI's
-envelope, and afterwards the server must be healthy and idle (no KV block held: the
-`make_server` fixture checks that when the module ends).
+with a user key and with none. No answer may be a 5xx, every error must be its route's
+envelope (Anthropic's on /v1/messages*, OpenAI's elsewhere), and afterwards the server must be
+healthy and idle (no KV block held: the `make_server` fixture checks that when the module ends).
 
 The two event streams (/v1/fornax/events, and /v1/fornax/live without once=true) never end
 by design, so they are left to tests/server/test_tenancy.py.
@@ -47,8 +47,13 @@ def test_the_served_document_is_the_one_tested(server) -> None:
     assert sorted(served.json()["paths"]) == sorted(SCHEMA.raw_schema["paths"])
 
 
-def assert_envelope(response: object, where: str) -> None:
+def assert_envelope(response: object, where: str, path: str) -> None:
     body = response.json()
+    if path.startswith("/v1/messages"):  # Anthropic's Messages API: its own envelope
+        assert isinstance(body, dict) and body.get("type") == "error", where
+        error = body.get("error")
+        assert isinstance(error, dict) and set(error) == {"type", "message"} and error["message"], where
+        return
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), where
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], where
@@ -71,7 +76,7 @@ def test_generated_requests_never_get_a_5xx(server, path: str, method: str) -> N
                 statuses.append(response.status_code)
             assert response.status_code < 500, where
             if response.status_code >= 400:
-                assert_envelope(response, where)
+                assert_envelope(response, where, path)
             if key is None and path not in ("/health", "/openapi.json"):
                 assert response.status_code == 401, where
             if role == "user" and path.startswith("/admin/"):

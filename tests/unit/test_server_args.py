@@ -66,7 +66,8 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
              "--prefix-cache-scope", "global",
              "--key-limits", str(limits), "--rate-limit-rpm", "7", "--rate-limit-tpm", "900",
              "--public-metrics", "--no-access-log", "--log-level", "debug", "--shutdown-timeout", "3",
-             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-queued-requests", "5",
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-stored-responses", "10",
+             "--max-queued-requests", "5",
              "--max-body-bytes", "1000",
              "--max-n", "2", "--max-tokens-limit", "64", "--max-stop-strings", "3",
              "--max-stop-string-chars", "9", "--max-logit-bias", "4", "--max-top-logprobs", "5",
@@ -81,7 +82,7 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
                      ("alice", RateLimit(requests_per_minute=5, tokens_per_minute=900))),
         public_metrics=True, access_log=False, log_level="debug", shutdown_timeout_s=3.0,
         tool_call_parser="hermes", reasoning_parser="qwen3", max_queued_requests=5, max_body_bytes=1000, max_n=2,
-        max_tokens_limit=64,
+        max_tokens_limit=64, max_stored_responses=10,
         max_stop_strings=3, max_stop_string_chars=9, max_logit_bias=4, max_top_logprobs=5, max_messages=6,
         max_prompts=7, max_queued_sequences=8, max_request_tokens=99, privileged_keys=("alice",),
     )  # fmt: skip
