@@ -82,7 +82,7 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         denial = self.keys.denial(scope) if scope["type"] == "http" else None
         if denial is not None:
-            await denial.response()(scope, receive, send)
+            await denial.response(scope.get("path", ""))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -112,19 +112,20 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         denial = self.keys.denial(scope)
-        response = denial.response() if denial is not None else await self._answer(scope, receive)
+        path = scope["path"]
+        response = denial.response(path) if denial is not None else await self._answer(scope, receive)
         await response(scope, receive, send)
 
     async def _answer(self, scope: Scope, receive: Receive) -> Response:
         try:
             return await self._forward(scope, receive)
         except ApiError as exc:
-            return exc.response()
+            return exc.response(scope["path"])
         except ClientDisconnect:
-            return ApiError(CLIENT_CLOSED, "client closed the request").response()
+            return ApiError(CLIENT_CLOSED, "client closed the request").response(scope["path"])
         except Exception:
             logger.exception("unhandled error on POST %s", scope["path"])
-            return ApiError(500, "internal server error", code="internal_error").response()
+            return ApiError(500, "internal server error", code="internal_error").response(scope["path"])
 
     async def _forward(self, scope: Scope, receive: Receive) -> Response:
         config, path = self.router.config, scope["path"]

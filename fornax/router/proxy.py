@@ -35,7 +35,7 @@ from fornax.router.metrics import NO_REPLICA, RouterMetrics
 from fornax.router.policies import Decision, Policy, Rotor, least_loaded
 from fornax.router.prompt import RouteRequest
 from fornax.router.replicas import EJECT_PASSIVE, Replica, ReplicaSet
-from fornax.router.stream import NotOpened, Opened, RelayResponse, Upstream, open_stream, relay
+from fornax.router.stream import NotOpened, Opened, RelayResponse, Upstream, format_of, open_stream, relay
 from fornax.router.upstream import ClientError, send
 from fornax.server.errors import ApiError
 
@@ -182,7 +182,7 @@ class Proxy:
             if failure is not None:
                 return failure
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                opened = await open_stream(resp)
+                opened = await open_stream(resp, format_of(ctx.endpoint))
                 if isinstance(opened, NotOpened):
                     return self._not_opened(opened, replica)
                 handed_off = True
@@ -245,7 +245,12 @@ class Proxy:
             self.metrics.latency.labels(ctx.endpoint).observe(time.perf_counter() - ctx.started)
 
         upstream = Upstream(resp, on_end)
-        body = relay(opened, upstream, lambda why: self.eject(replica, f"failed mid-stream: {why}"))
+        body = relay(
+            opened,
+            upstream,
+            lambda why: self.eject(replica, f"failed mid-stream: {why}"),
+            format_of(ctx.endpoint),
+        )
         return RelayResponse(body, upstream, resp.status, self._headers(resp.headers, decision, ctx))
 
     # -- answers --
@@ -253,7 +258,7 @@ class Proxy:
         if failure is None:
             self._finish(NO_REPLICA, 503, ctx)
             return ApiError(503, "no replica is available for this request", code="no_healthy_replica",
-                            headers={"Retry-After": "1"}).response()  # fmt: skip
+                            headers={"Retry-After": "1"}).response(ctx.path)  # fmt: skip
         url = failure.replica.url
         headers = {
             "x-fornax-replica": url,
@@ -266,7 +271,7 @@ class Proxy:
                 f"no replica could answer after {ctx.number} attempt(s); the last ({url}): {failure.message}"
             )
             return ApiError(502, message, type="server_error", code="replica_unavailable",
-                            headers=headers).response()  # fmt: skip
+                            headers=headers).response(ctx.path)  # fmt: skip
         self._finish(url, failure.status, ctx)
         kept = {k: v for k, v in failure.headers.items() if k.lower() not in DROP_RESPONSE}
         return Response(failure.content, failure.status, {**kept, **headers})

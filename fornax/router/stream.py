@@ -10,10 +10,16 @@ fails over as if it had never been sent. An error event from the replica before 
 commit point (its engine stopped, say) is a failed attempt like a 5xx.
 
 After the commit point the relay forwards whole events as they arrive (one search for the
-last event boundary per chunk, no parsing), never part of one. If the replica fails or
-closes the stream before its `data: [DONE]`, the incomplete tail is dropped and the stream
-ends with an OpenAI-shaped error event and `data: [DONE]`: the client never gets a chunk
-the replica did not finish, and in particular no finish_reason it did not send.
+last event boundary per chunk), never part of one. If the replica fails or closes the stream
+before its last event, the incomplete tail is dropped and the stream ends with an error event:
+the client never gets a chunk the replica did not finish, and in particular no finish_reason
+it did not send.
+
+Each API frames its stream its own way (`StreamFormat`): chat and completions end with
+`data: [DONE]` and open with role-only chunks; OpenAI's Responses names its events
+(`event: response.created` ... `response.completed`) and Anthropic's Messages too
+(`message_start` ... `message_stop`). What is held, what ends a stream and the error event a
+broken one ends with follow the format.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from fornax.router.upstream import ClientError
-from fornax.server.errors import error_body
+from fornax.server.errors import anthropic_error_body, error_body
 
 DONE_EVENT = b"data: [DONE]\n\n"
 HOLD, COMMIT, NOT_READY, SERVER_ERROR = "hold", "commit", "not_ready", "server_error"
@@ -70,29 +76,118 @@ def event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-def classify(event: bytes) -> str:
-    """HOLD, COMMIT, NOT_READY or SERVER_ERROR for an event seen before the commit point."""
+def event_name(event: bytes) -> bytes | None:
+    """The `event:` field of an event (Responses and Messages name theirs), None without one."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"event:"):
+            return line[6:].strip()
+    return None
+
+
+def _json_data(event: bytes) -> dict[str, Any] | None:
     data = event_data(event)
-    if data is None:
-        return HOLD
-    if data == b"[DONE]":
-        return COMMIT
     try:
-        obj: Any = json.loads(data)
+        obj = json.loads(data) if data is not None and data != b"[DONE]" else None
     except ValueError:
-        return COMMIT  # not ours to judge: the client gets it as the replica sent it
-    if not isinstance(obj, dict):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class StreamFormat:
+    """Chat completions' and completions' framing: `data:` events, `data: [DONE]` last."""
+
+    def classify(self, event: bytes) -> str:
+        """HOLD, COMMIT, NOT_READY or SERVER_ERROR for an event seen before the commit point."""
+        data = event_data(event)
+        if data is None:
+            return HOLD
+        obj = _json_data(event)
+        if obj is None:
+            return COMMIT  # [DONE], or not ours to judge: the client gets it as the replica sent it
+        error = obj.get("error")
+        if isinstance(error, dict):
+            return _error_verdict(error.get("type"), not_ready="service_unavailable", server="server_error")
+        choices = obj.get("choices")
+        if (
+            isinstance(choices, list)
+            and choices
+            and obj.get("usage") is None
+            and all(map(_role_only, choices))
+        ):
+            return HOLD
         return COMMIT
-    error = obj.get("error")
-    if isinstance(error, dict):
-        kind = error.get("type")
-        return (
-            NOT_READY if kind == "service_unavailable" else SERVER_ERROR if kind == "server_error" else COMMIT
-        )
-    choices = obj.get("choices")
-    if isinstance(choices, list) and choices and obj.get("usage") is None and all(map(_role_only, choices)):
-        return HOLD
-    return COMMIT
+
+    def ends(self, out: bytes) -> bool:
+        """Whether `out` (whole events) ends with the stream's last event."""
+        return out.endswith(DONE_EVENT)
+
+    def error_event(self, message: str, last: bytes) -> bytes:
+        """The event a broken stream ends with; `last`: the last whole event relayed."""
+        body = error_body(message, "server_error", code="replica_failed")
+        return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
+
+
+class ResponsesFormat(StreamFormat):
+    """OpenAI's Responses: named events numbered by `sequence_number`, the last one
+    `response.completed`, `response.incomplete`, `response.failed` or `error`."""
+
+    HELD = frozenset({b"response.created", b"response.in_progress"})
+    LAST = frozenset({b"response.completed", b"response.incomplete", b"response.failed", b"error"})
+
+    def classify(self, event: bytes) -> str:
+        name = event_name(event)
+        if name is None or name in self.HELD:
+            return HOLD
+        if name == b"response.failed":  # before any output: the replica's failure, or the request's
+            error = ((_json_data(event) or {}).get("response") or {}).get("error") or {}
+            return SERVER_ERROR if error.get("code") == "server_error" else COMMIT
+        return COMMIT
+
+    def ends(self, out: bytes) -> bool:
+        events, _ = split_events(out)
+        return bool(events) and event_name(events[-1]) in self.LAST
+
+    def error_event(self, message: str, last: bytes) -> bytes:
+        number = (_json_data(last) or {}).get("sequence_number")
+        body = {"type": "error", "code": "replica_failed", "message": message, "param": None,
+                "sequence_number": number + 1 if isinstance(number, int) else 0}  # fmt: skip
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+
+
+class MessagesFormat(StreamFormat):
+    """Anthropic's Messages: named events from `message_start` to `message_stop` (or `error`)."""
+
+    HELD = frozenset({b"message_start", b"ping"})
+    LAST = frozenset({b"message_stop", b"error"})
+
+    def classify(self, event: bytes) -> str:
+        name = event_name(event)
+        if name is None or name in self.HELD:
+            return HOLD
+        if name == b"error":
+            error = (_json_data(event) or {}).get("error") or {}
+            return _error_verdict(error.get("type"), not_ready="overloaded_error", server="api_error")
+        return COMMIT
+
+    def ends(self, out: bytes) -> bool:
+        events, _ = split_events(out)
+        return bool(events) and event_name(events[-1]) in self.LAST
+
+    def error_event(self, message: str, last: bytes) -> bytes:
+        return b"event: error\ndata: " + json.dumps(anthropic_error_body(500, message)).encode() + b"\n\n"
+
+
+def _error_verdict(kind: Any, not_ready: str, server: str) -> str:
+    return NOT_READY if kind == not_ready else SERVER_ERROR if kind == server else COMMIT
+
+
+# How each relayed endpoint's streams are framed.
+FORMATS: dict[str, StreamFormat] = {"responses": ResponsesFormat(), "messages": MessagesFormat()}
+OPENAI_STREAM = StreamFormat()
+
+
+def format_of(endpoint: str) -> StreamFormat:
+    return FORMATS.get(endpoint, OPENAI_STREAM)
 
 
 def _role_only(choice: Any) -> bool:
@@ -104,7 +199,7 @@ def _role_only(choice: Any) -> bool:
     return all(not value for key, value in delta.items() if key != "role")
 
 
-async def open_stream(resp: aiohttp.ClientResponse) -> Opened | NotOpened:
+async def open_stream(resp: aiohttp.ClientResponse, fmt: StreamFormat = OPENAI_STREAM) -> Opened | NotOpened:
     """Read events up to the commit point. Transport errors propagate (a failed attempt)."""
     chunks = resp.content.iter_any()  # each chunk as it arrives, not a fixed size
     held: list[bytes] = []
@@ -113,27 +208,22 @@ async def open_stream(resp: aiohttp.ClientResponse) -> Opened | NotOpened:
         buf += chunk
         events, buf = split_events(buf)
         for i, event in enumerate(events):
-            verdict = classify(event)
+            verdict = fmt.classify(event)
             if verdict == HOLD:
                 held.append(event)
                 continue
             if verdict != COMMIT:
                 return NotOpened(verdict, _error_message(event))
             first = b"".join([*held, *events[i:]])
-            return Opened(first, buf, chunks, first.endswith(DONE_EVENT))
+            return Opened(first, buf, chunks, fmt.ends(first))
     return NotOpened("transport_error", "the replica ended the stream before sending anything")
 
 
 def _error_message(event: bytes) -> str:
-    try:
-        return str(json.loads(event_data(event) or b"{}")["error"].get("message", "error event"))
-    except (ValueError, KeyError, AttributeError):
-        return "error event"
-
-
-def error_event(message: str) -> bytes:
-    body = error_body(message, "server_error", code="replica_failed")
-    return b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
+    obj = _json_data(event) or {}
+    error = obj.get("error") or (obj.get("response") or {}).get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message) if message else "error event"
 
 
 class Upstream:
@@ -154,9 +244,11 @@ class Upstream:
             self.on_end(outcome)
 
 
-async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], None]) -> AsyncIterator[bytes]:
+async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], None],
+                fmt: StreamFormat = OPENAI_STREAM) -> AsyncIterator[bytes]:  # fmt: skip
     """The committed stream, whole events at a time; `on_fault(why)` if the replica fails."""
     outcome = CLIENT_GONE  # unless the stream gets to its end
+    last = opened.first
     try:
         yield opened.first
         done, buf = opened.done, opened.rest
@@ -168,7 +260,8 @@ async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], No
                     continue
                 out, buf = buf[: cut + 2], buf[cut + 2 :]
                 yield out
-                if out.endswith(DONE_EVENT):
+                last = out
+                if fmt.ends(out):
                     done = True
                     break
         if not done:
@@ -179,13 +272,15 @@ async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], No
         outcome = STREAM_ERROR
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         on_fault(why)
-        yield error_event(f"the replica serving this stream failed ({why}); the stream ends here")
+        events, _ = split_events(last)
+        yield fmt.error_event(f"the replica serving this stream failed ({why}); the stream ends here",
+                              events[-1] if events else b"")  # fmt: skip
     finally:
         await upstream.close(outcome)
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read the end of the body after [DONE] (the chunked terminator, normally): a response
+    """Read the end of the body after its last event (the chunked terminator, normally): a response
     closed before its end closes its connection, and the next request would pay a new one."""
     with anyio.move_on_after(DRAIN_TIMEOUT_S):
         try:

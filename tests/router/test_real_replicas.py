@@ -124,6 +124,41 @@ def test_openai_client_through_the_router(fleet: Fleet) -> None:
     assert detok["prompt"].endswith("hello world")
 
 
+def test_responses_and_messages_through_the_router(fleet: Fleet) -> None:
+    import anthropic
+
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key=ROUTER_KEY, max_retries=0)
+    first = client.responses.create(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0)
+    # Round-robin sends the next turn to the other replica first: it has no such response, so
+    # the router asks on until the replica that stored it answers.
+    for _ in range(2):
+        turn = client.responses.create(model=MODEL, input="Another?", previous_response_id=first.id,
+                                       max_output_tokens=8, temperature=0)  # fmt: skip
+        assert turn.previous_response_id == first.id and turn.usage.input_tokens > first.usage.input_tokens
+    assert client.responses.retrieve(first.id).id == first.id
+    with client.responses.stream(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0) as s:
+        events = list(s)
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+    claude = anthropic.Anthropic(base_url=fleet.url, api_key=ROUTER_KEY, max_retries=0)  # x-api-key
+    whole = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                   extra_body={"temperature": 0})  # fmt: skip
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                extra_body={"temperature": 0}) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in whole.content]
+    assert streamed.stop_reason == whole.stop_reason
+    with pytest.raises(anthropic.AuthenticationError) as err:  # the router's own 401, in Anthropic's envelope
+        anthropic.Anthropic(base_url=fleet.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert err.value.body["error"]["type"] == "authentication_error"
+    assert all(r["healthy"] and r["ejections"] == 0 for r in fleet.replicas().values())
+
+
 def test_errors(fleet: Fleet) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=fleet.url + "/v1", api_key="wrong", max_retries=0).models.list()
