@@ -46,6 +46,9 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 # Per-token gaps: ~1 ms on a GPU decode, tens to hundreds of ms on a CPU or behind a prefill.
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                      0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+# The generation routes (server/api.py, openai_responses.py, anthropic_messages.py), each a label
+# of fornax:requests_total from the start, so rate() sees a route's first request.
+ENDPOINTS = ("chat", "completions", "responses", "messages")
 MODEL_LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0,
                         2.5, 5.0, 10.0)  # fmt: skip
@@ -116,6 +119,10 @@ class Metrics:
         for reason in ("stop", "length"):  # present from the start, so rate() sees the first one
             self._success.labels(model_name, reason)
         self.aborted = counter("requests_aborted", "Requests aborted: the client left or the server gave up.")
+        self._requests = Counter("fornax:requests", "Generation requests ended (finished or aborted), by API route.",
+                                 ["model_name", "endpoint"], registry=self.registry)  # fmt: skip
+        for endpoint in ENDPOINTS:
+            self._requests.labels(model_name, endpoint)
         self._errors = Counter("fornax:request_errors", "HTTP responses with a 4xx or 5xx status, by status.",
                                ["model_name", "status"], registry=self.registry)  # fmt: skip
         # -- per step (from StepStats) --
@@ -204,6 +211,7 @@ class Metrics:
 
     # -- feeds --
     def on_record(self, record: FinishedRequest) -> None:
+        self._requests.labels(self.model_name, record.endpoint).inc()
         self.prompt_tokens.inc(record.num_prompt_tokens)
         self.generation_tokens.inc(record.num_completion_tokens)
         self.req_prompt_tokens.observe(record.num_prompt_tokens)

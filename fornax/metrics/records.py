@@ -12,6 +12,9 @@ class FinishedRequest(Protocol):
     seconds (queue_s, ttft_s, prefill_s, decode_s, e2e_s, and spec_* when it speculated)."""
 
     @property
+    def endpoint(self) -> str: ...  # the API route: "chat", "completions", "responses", "messages"
+
+    @property
     def num_prompt_tokens(self) -> int: ...
 
     @property

@@ -59,15 +59,19 @@ def text_of(message) -> str:
     return "".join(b.text for b in message.content if b.type == "text")
 
 
-def generation_tokens(server) -> float:
+def generation_tokens(server) -> tuple[float, float]:
+    """fornax:generation_tokens_total and the messages route's fornax:requests_total."""
     metrics = httpx.get(server.url + "/metrics", headers=server.admin_headers, timeout=10).text
     found = re.search(r'^fornax:generation_tokens_total\{model_name="[^"]+"\} (\S+)$', metrics, re.M)
-    assert found, metrics[:500]
-    return float(found.group(1))
+    requests = re.search(
+        r'^fornax:requests_total\{endpoint="messages",model_name="[^"]+"\} (\S+)$', metrics, re.M
+    )
+    assert found and requests, metrics[:500]
+    return float(found.group(1)), float(requests.group(1))
 
 
 def test_message_shape_usage_and_accounting(server, client):
-    before = generation_tokens(server)
+    tokens, requests = generation_tokens(server)
     r = create(client, system="You are terse.")
     assert re.fullmatch(r"msg_[0-9a-f]{32}", r.id) and r.type == "message" and r.role == "assistant"
     assert r.model == MODEL and r.stop_reason in ("end_turn", "max_tokens") and r.stop_sequence is None
@@ -76,7 +80,7 @@ def test_message_shape_usage_and_accounting(server, client):
     assert u.input_tokens + u.cache_read_input_tokens > 0 and u.cache_creation_input_tokens == 0
     assert 0 < u.output_tokens <= 8
     # Counted like chat: the metrics, and the request record (the access log line) as "messages".
-    assert generation_tokens(server) - before == u.output_tokens
+    assert generation_tokens(server) == (tokens + u.output_tokens, requests + 1)
     assert re.search(rf"{r.id.replace('_', '-', 1)} key=alice messages prompt=", server.log())
 
 

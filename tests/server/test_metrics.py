@@ -125,6 +125,8 @@ def test_tokens_success_and_latency_histograms(server, client):
     assert delta(before, after, "fornax:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta(before, after, "fornax:generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert delta(before, after, "fornax:request_success_total", finished_reason="length") == n
+    assert delta(before, after, "fornax:requests_total", endpoint="chat") == n
+    assert delta(before, after, "fornax:requests_total", endpoint="completions") == 0
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
                  "request_time_per_output_token_seconds"):  # fmt: skip
