@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _servers import Process, free_port  # benchmarks/ is on sys.path when run as a script
+from _servers import Process, ServerProcess, free_port  # benchmarks/ is on sys.path when run as a script
 
 from fornax.config import DEFAULT_MODEL
 from fornax.models.registry import resolve_model
@@ -107,28 +107,15 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
     ctx = llama_context(gguf, args.kv * MiB, LLAMA_SLOTS)
     cmd = [args.llama_server, "-m", str(gguf), "-np", str(LLAMA_SLOTS), "-c", str(ctx),
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with open(log_dir / "llama-server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess("llama-server", cmd, port, log_dir / "llama-server.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("llama-server not ready")
-            time.sleep(0.2)
-        before = rss_bytes(proc.pid)
+        server.wait_ready()
+        before = rss_bytes(server.proc.pid)
         tok_s = load(url, log_dir / "llama-bench.json", None)
         time.sleep(2.0)
-        after = rss_bytes(proc.pid)
+        after = rss_bytes(server.proc.pid)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     kv = ctx * llama_kv_bytes_per_token(gguf)
     return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s,
             "context_tokens": ctx, "kv_bytes": kv}  # fmt: skip

@@ -44,14 +44,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,9 +59,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+if __package__:  # imported as benchmarks.soak (tests/server/test_soak.py)
+    from benchmarks._servers import MAKE_RUN_FLAGS, FornaxProcess
+else:  # run as a script: benchmarks/ is on sys.path
+    from _servers import MAKE_RUN_FLAGS, FornaxProcess
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-MAKE_RUN_FLAGS = ("--quantization", "auto", "--large-step-quantization", "w8a8")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 FINISH_REASONS = frozenset({"stop", "length"})
 RSS_GROWTH_LIMIT = 0.05
@@ -718,54 +717,6 @@ def _bearer(key: str | None) -> dict[str, str]:
 # ---- a server of its own ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class OwnServer:
-    """`fornax serve` with make run's flags on a free loopback port, without keys: an open
-    server, whose /admin/state needs none."""
-
-    def __init__(self, model: str, extra_args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if k not in ("FORNAX_API_KEY", "FORNAX_ADMIN_KEY")}
-        cmd = [sys.executable, "-m", "fornax.cli", "serve", model, "--host", "127.0.0.1", "--port",
-               str(self.port), *MAKE_RUN_FLAGS, *extra_args]  # fmt: skip
-        self.command = " ".join(cmd[3:])
-        # The log stays open until stop(): pop_all() hands it over once the server has started.
-        with contextlib.ExitStack() as files:
-            self._log = files.enter_context(open(log_path, "wb"))
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-            self._files = files.pop_all()
-
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log_path}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"the server was not ready after {timeout_s:.0f}s; see {self.log_path}")
-
-    def stop(self, timeout_s: float = 90.0) -> int:
-        """SIGTERM (a draining shutdown) and its exit code; killed if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._files.close()
-        return int(self.proc.returncode)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -800,10 +751,13 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if args.url is None:
         log_path = args.server_log or Path(tempfile.mkdtemp(prefix="fornax-soak-")) / "server.log"
-        server = OwnServer(args.model, args.server_arg, log_path)
-        print(f"soak: starting {server.command} (log: {log_path})", flush=True)
+        # An open server (no keys), whose /admin/state needs none.
+        env = {k: v for k, v in os.environ.items() if k not in ("FORNAX_API_KEY", "FORNAX_ADMIN_KEY")}
+        server = FornaxProcess("soak server", ["serve", args.model, *MAKE_RUN_FLAGS, *args.server_arg], log_path,
+                               env)  # fmt: skip
+        print(f"soak: starting fornax {' '.join(server.args)} (log: {log_path})", flush=True)
         try:
-            server.wait_ready()
+            server.wait_ready(timeout_s=600.0)
         except (RuntimeError, TimeoutError) as exc:
             server.stop()
             print(f"soak: {exc}", file=sys.stderr)
@@ -817,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                           seed=args.seed, rss_window=args.rss_window, progress_every=args.progress_every,
                           warm_kv=not args.no_kv_warmup)  # fmt: skip
     finally:
-        exit_code = server.stop() if server else None
+        exit_code = server.stop(timeout_s=90.0) if server else None
     report.server_exit_code = exit_code
     print(report.summary(), flush=True)
     return 0 if report.ok else 1

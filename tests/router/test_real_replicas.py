@@ -9,11 +9,8 @@ The failover test runs last: it kills a replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +19,11 @@ import httpx
 import openai
 import pytest
 
+from benchmarks._servers import FornaxProcess
 from fornax.router.app import create_app
 from fornax.router.config import ReplicaSpec, RouterConfig
 from tests.router.stub import ThreadServer
-from tests.server.conftest import ROOT, ServerProcess, free_port
+from tests.server.conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -40,32 +38,18 @@ class Fleet:
         self.tmp = tmp
         self.a = ServerProcess(REPLICA_ARGS, tmp / "a.log")
         self.b = ServerProcess(REPLICA_ARGS, tmp / "b.log")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         # The CLI entry point, as a user runs it (round-robin: the failover test knows who gets what).
-        cmd = [sys.executable, "-m", "fornax.cli", "router", "--replica", self.a.url, "--replica", self.b.url,
-               "--policy", "round-robin", "--poll-interval", "0.25", "--port", str(self.port), "--no-access-log",
-               "--api-key", ROUTER_KEY, "--admin-key", f"ops:{ADMIN_KEY}"]  # fmt: skip
-        # The log stays open until stop(): pop_all() hands it over once the router has started.
-        with contextlib.ExitStack() as files:
-            self.router_log = files.enter_context(open(tmp / "router.log", "wb"))
-            self.router = subprocess.Popen(cmd, cwd=ROOT, stdout=self.router_log, stderr=subprocess.STDOUT)
-            self.router_files = files.pop_all()
+        args = ["router", "--replica", self.a.url, "--replica", self.b.url, "--policy", "round-robin",
+                "--poll-interval", "0.25", "--no-access-log", "--api-key", ROUTER_KEY,
+                "--admin-key", f"ops:{ADMIN_KEY}"]  # fmt: skip
+        self.router = FornaxProcess("fornax router", args, tmp / "router.log")
+        self.url = self.router.url
         self.restarted: ServerProcess | None = None
 
     def wait(self) -> None:
         self.a.wait_ready()
         self.b.wait_ready()
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.router.poll() is None, (self.tmp / "router.log").read_text()
-            try:
-                if httpx.get(self.url + "/health").json().get("healthy_replicas") == 2:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (self.tmp / "router.log").read_text()
-            time.sleep(0.1)
+        self.router.wait_ready(lambda r: r.status_code == 200 and r.json().get("healthy_replicas") == 2, 60)
 
     def replicas(self) -> dict[str, dict]:
         r = httpx.get(self.url + "/router/replicas", headers=ADMIN)
@@ -73,12 +57,7 @@ class Fleet:
         return {x["url"]: x for x in r.json()["data"]}
 
     def stop(self) -> None:
-        self.router.send_signal(signal.SIGTERM)
-        try:
-            self.router.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.router.kill()
-        self.router_files.close()
+        self.router.stop(timeout_s=15)
         for server in (self.a, self.b, self.restarted):
             if server is not None and server.proc.poll() is None:
                 server.assert_idle()  # nothing the router started or abandoned is left running

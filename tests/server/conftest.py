@@ -1,13 +1,10 @@
-"""A real `fornax serve` subprocess on a free loopback port, one per test module."""
+"""A real `fornax serve` subprocess on a free loopback port, one per test module (the launcher
+is the benchmarks' own, benchmarks/_servers.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,40 +12,27 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks._servers import FornaxProcess
 
 
-_RUN_CLI = "import sys\nfrom fornax.cli import main\nsys.exit(main(sys.argv[1:]))"
+class ServerProcess(FornaxProcess):
+    """`fornax serve ARGS` for a test: only the keys the test asks for (the environment's are
+    dropped), a shared FORNAX_HOME, and the engine's state read through /admin/state."""
 
-
-class ServerProcess:
     admin_key: str | None = None  # what /admin/* is called with (make_server sets it)
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str | None] | None = None,
                  api_key: str | None = None, bootstrap: str | None = None,
                  port: int | None = None) -> None:  # fmt: skip
-        self.port = port or free_port()  # a given port: a restart where the last one listened
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log_path = log_path
         full_env = {**os.environ, "FORNAX_HOME": os.environ.get("FORNAX_HOME", "/tmp/fhome"), **(env or {})}
         if "FORNAX_API_KEY" not in (env or {}):
             full_env.pop("FORNAX_API_KEY", None)  # only the keys a test asks for
         if "FORNAX_ADMIN_KEY" not in (env or {}):
             full_env.pop("FORNAX_ADMIN_KEY", None)
-        full_env = {k: v for k, v in full_env.items() if v is not None}  # None: unset for this server
-        # `bootstrap`: Python run in the server process before the CLI (fault-injection tests).
-        entry = ["-m", "fornax.cli"] if bootstrap is None else ["-c", f"{bootstrap}\n{_RUN_CLI}"]
-        cmd = [sys.executable, *entry, "serve", "--port", str(self.port), "--host", "127.0.0.1", *args]
-        # The log stays open until stop(): pop_all() hands it over once the server has started.
-        with contextlib.ExitStack() as files:
-            self._log = files.enter_context(open(log_path, "wb"))
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
-            )
-            self._files = files.pop_all()
+        full = {k: v for k, v in full_env.items() if v is not None}  # None: unset for this server
+        # A given port: a restart where the last one listened.
+        super().__init__("fornax serve", ["serve", *args], log_path, full, port=port, bootstrap=bootstrap)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -57,26 +41,6 @@ class ServerProcess:
     @property
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else self.headers
-
-    def health_status(self) -> int | None:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code
-        except httpx.TransportError:
-            return None
-
-    def wait_ready(self, timeout: float = 180.0) -> list[int | None]:
-        """Poll /health until 200; the statuses seen on the way."""
-        seen: list[int | None] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            status = self.health_status()
-            seen.append(status)
-            if status == 200:
-                return seen
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
 
     def state(self) -> dict:
         r = httpx.get(self.url + "/admin/state", headers=self.admin_headers, timeout=10)
@@ -108,18 +72,7 @@ class ServerProcess:
 
     def log(self) -> str:
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._files.close()
-        return self.proc.returncode
+        return self.log_tail()
 
 
 FIXTURE_ADMIN_KEY = "sk-fixture-admin"

@@ -10,8 +10,8 @@ import sys
 import httpx
 import pytest
 
-from tests.server.conftest import ROOT
 from tests.server.test_metrics import parse, value
+from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -219,7 +219,7 @@ def router(server, tmp_path):
     """A real `fornax router` in front of the test server, known to it twice (by 127.0.0.1,
     the page's origin, and by localhost, which the page takes for another replica), plus a
     replica that never answers. Round-robin, so the page's two requests go one to each."""
-    from tests.server.conftest import free_port
+    from tests.support import free_port
 
     port, dead = free_port(), free_port()
     replicas = [server.url, server.url.replace("127.0.0.1", "localhost"), f"http://127.0.0.1:{dead}"]
