@@ -9,19 +9,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "fornax.llm",
     "SamplingParams": "fornax.engine.request",
+    "PoolingParams": "fornax.engine.pooling",
+    "EmbeddingRequestOutput": "fornax.request_output",
     "CompletionOutput": "fornax.request_output",
     "RequestOutput": "fornax.request_output",
 }
 
 if TYPE_CHECKING:
+    from fornax.engine.pooling import PoolingParams
     from fornax.engine.request import SamplingParams
     from fornax.llm import LLM
-    from fornax.request_output import CompletionOutput, RequestOutput
+    from fornax.request_output import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
 
 def __getattr__(name: str) -> Any:

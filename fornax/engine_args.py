@@ -22,6 +22,7 @@ from fornax.config import (
     KV_OFFLOAD_DTYPES,
     LARGE_STEP_METHODS,
     LM_HEAD_METHODS,
+    POOLING_TYPES,
     PREEMPTION_MODES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
@@ -219,6 +220,13 @@ class EngineArgs:
         group=ENGINE,
         type=int,
     )
+    pooling: str | None = _arg(
+        _declared(EngineConfig, "pooling"),
+        "how embedding requests pool the final hidden states by default (a request may ask otherwise); "
+        "default: the model's own pooling config, else mean for encoders and last for decoders",
+        group=ENGINE,
+        choices=list(POOLING_TYPES),
+    )
 
     kv_offload_memory: int | float | str = _arg(
         _declared(OffloadConfig, "host_memory"),
@@ -347,6 +355,7 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
             ),
             seed=self.seed,
+            pooling=self.pooling,
         )
 
     def create_speculative_config(self) -> SpeculativeConfig | None:

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(...)`, vLLM's shapes."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `.chat(...)` and `.embed(inputs)`,
+vLLM's shapes."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
+from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import SamplingParams
 from fornax.engine_args import EngineArgs
-from fornax.request_output import CompletionOutput, RequestOutput
+from fornax.request_output import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
 
@@ -121,6 +123,62 @@ class LLM:
                 for output in result.outputs:
                     _read_tool_calls(plan, output)
         return results
+
+    def embed(
+        self,
+        inputs: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed each input (a text or token ids): all of them are pooling requests of the
+        engine at once, batched by its scheduler like any prompts. One output per input, in
+        order, with its vector and prompt tokens. `pooling_params`: one for all, or one per
+        input (None: the engine's defaults, engine/pooling.py). An input longer than the
+        model's limit is refused (ValueError) unless `truncate_prompt_tokens` cuts each input to
+        at most that many tokens: a text keeps its first tokens and its special ones, token ids
+        their first ones."""
+        prompt_list = _as_prompt_list(inputs)
+        if isinstance(pooling_params, PoolingParams) or pooling_params is None:
+            params = [pooling_params or PoolingParams()] * len(prompt_list)
+        elif len(pooling_params) != len(prompt_list):
+            raise ValueError(f"got {len(pooling_params)} PoolingParams for {len(prompt_list)} inputs")
+        else:
+            params = list(pooling_params)
+        k = truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
+        texts = [p for p in prompt_list if isinstance(p, str)]
+        encoded = iter(self.engine.tokenizer.encode_batch(texts, truncate_to=k) if texts else [])
+        results: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+                request_id = str(next(self._ids))
+                ids = next(encoded) if isinstance(prompt, str) else list(prompt)[:k]
+                self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
+                text = prompt if isinstance(prompt, str) else None
+                results[request_id] = EmbeddingRequestOutput(request_id, text, ids)
+        except Exception:
+            for request_id in results:  # as in generate: nothing of a refused call stays queued
+                self.engine.abort_request(request_id)
+            for _ in self._run():
+                pass
+            raise
+        errors = []
+        for out in self._run():
+            result = results.get(out.request_id)
+            if result is not None and out.finished:
+                result.finished = True
+                if out.embedding is None:
+                    errors.append(
+                        f"request {out.request_id} ended without a vector: {out.error or out.finish_reason}"
+                    )
+                else:
+                    result.embedding = out.embedding
+        if errors:
+            raise RuntimeError(errors[0])
+        return list(results.values())
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[EngineOutput]:
         """Yield this request's per-step deltas (each of its n samples') as they are produced,

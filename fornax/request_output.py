@@ -1,4 +1,5 @@
-"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes, and
+EmbeddingRequestOutput for LLM.embed."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ class RequestOutput:
     # Seconds: queue (arrival -> first scheduled), ttft (arrival -> first token),
     # prefill (first scheduled -> first token), decode (first -> last token), e2e.
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding (LLM.embed): the pooled vector and what it was computed from."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

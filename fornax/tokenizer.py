@@ -228,6 +228,10 @@ class Tokenizer:
         if not (root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{root} has no tokenizer.json")
         hf = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        # A file may carry padding and truncation for its training batches (sentence-transformers'
+        # BERTs pad and cut every text to 128): a prompt is neither padded nor silently cut here.
+        hf.no_padding()
+        hf.no_truncation()
         config = _read_json(root / "tokenizer_config.json")
         for entry in (config.get("added_tokens_decoder") or {}).values():
             if hf.token_to_id(entry["content"]) is None:  # listed in the config only
@@ -250,7 +254,8 @@ class Tokenizer:
             extra += ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else []
         specials = SpecialTokens(
             bos_token_id=bos if bos is not None else (prefix[0] if prefix else None),
-            eos_token_id=eos if eos is not None else (extra[0] if extra else None),
+            # BERT's [SEP] is the suffix its post-processor adds, named nowhere else.
+            eos_token_id=eos if eos is not None else (extra[0] if extra else (suffix[0] if suffix else None)),
             extra_eos_ids=tuple(extra),
             pad_token_id=token_id("pad_token"),
             unk_token_id=token_id("unk_token"),
@@ -262,18 +267,28 @@ class Tokenizer:
 
     # -- text <-> ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._wrap(self.backend.encode(text, add_special_tokens=False).ids, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
+        """truncate_to: at most this many ids, special ones included: the text's first tokens are
+        kept, and the special tokens around them (as transformers' truncation does)."""
+        return self._wrap(
+            self.backend.encode(text, add_special_tokens=False).ids, add_special_tokens, truncate_to
+        )
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True, truncate_to: int | None = None
+    ) -> list[list[int]]:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
-        return [self._wrap(e.ids, add_special_tokens) for e in encodings]
+        return [self._wrap(e.ids, add_special_tokens, truncate_to) for e in encodings]
 
-    def _wrap(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+    def _wrap(self, ids: list[int], add_special_tokens: bool, truncate_to: int | None = None) -> list[int]:
         s = self._specials
-        if add_special_tokens and s.add_bos and s.bos_token_id is not None:
+        bos = add_special_tokens and s.add_bos and s.bos_token_id is not None
+        eos = add_special_tokens and s.add_eos and s.eos_token_id is not None
+        if truncate_to is not None:
+            ids = ids[: max(truncate_to - bos - eos, 0)]
+        if bos:
             ids = [s.bos_token_id, *ids]
-        if add_special_tokens and s.add_eos and s.eos_token_id is not None:
+        if eos:
             ids = [*ids, s.eos_token_id]
         return ids
 

@@ -1,8 +1,9 @@
 """Frozen configs: the only home of defaults and validation, split by owner (docs/architecture.md):
 common (the default model, ConfigError, memory sizes), environment (every environment variable
-and the machine), engine (EngineConfig and its parts), keys (API keys, rate limits) and server
-(ServerConfig). What is learned later (for example the number of KV blocks after sizing the pool)
-comes back as a new object via `dataclasses.replace`, never by mutation (rule 5).
+and the machine), engine (EngineConfig and its parts), pooling (how a model embeds), keys (API keys,
+rate limits) and server (ServerConfig). What is learned later (for example the number of KV blocks
+after sizing the pool) comes back as a new object via `dataclasses.replace`, never by mutation
+(rule 5).
 
 Every public name is importable from `fornax.config` itself.
 """
@@ -56,6 +57,7 @@ from fornax.config.keys import (
     load_api_keys,
     load_key_limits,
 )
+from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 from fornax.config.server import ServedModelConfig, ServerConfig
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "KV_OFFLOAD_DTYPES",
     "LARGE_STEP_METHODS",
     "LM_HEAD_METHODS",
+    "POOLING_TYPES",
     "PREEMPTION_MODES",
     "PREFIX_CACHE_SCOPES",
     "PRIORITY_RANGE",
@@ -84,6 +87,7 @@ __all__ = [
     "GiB",
     "ModelConfig",
     "OffloadConfig",
+    "PoolingConfig",
     "RateLimit",
     "SchedulerConfig",
     "ServedModelConfig",

@@ -11,6 +11,7 @@ from fornax.config.common import DEFAULT_MODEL, ConfigError, GiB, parse_memory_s
 from fornax.config.environment import (
     machine_memory,
 )
+from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 
 
 def parse_kv_cache_memory(value: int | float | str | None) -> int | None:
@@ -68,6 +69,12 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # A bidirectional encoder without an LM head (BERT, models/bert.py): it serves pooling
+    # requests only, computes each prompt whole in one step (its attention sees the whole
+    # sequence), and keeps no K/V. type_vocab_size: BERT's token-type (segment) embeddings.
+    encoder: bool = False
+    type_vocab_size: int = 0
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)  # how it embeds (config/pooling.py)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -83,6 +90,12 @@ class ModelConfig:
                 raise ConfigError(f"unsupported layer types {sorted(set(self.layer_types))}")
 
     @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence it serves: its position table, or less for an embedder trained
+        on shorter inputs (PoolingConfig.max_seq_length)."""
+        return min(self.max_position_embeddings, self.pooling.max_seq_length or self.max_position_embeddings)
+
+    @property
     def interleaves_sliding_window(self) -> bool:
         """Whether some layers attend within the window and others over the whole context."""
         return (
@@ -92,8 +105,9 @@ class ModelConfig:
         )
 
 
-# The gated MLP's activation: SwiGLU (Llama family) or GeGLU with tanh-approximated GELU (Gemma).
-ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+# The gated MLP's activation: SwiGLU (Llama family) or GeGLU with tanh-approximated GELU (Gemma);
+# BERT's plain (not gated) MLP: exact GELU.
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype (fornax/layers/kv_pool.py)
@@ -379,6 +393,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
+    # How pooling (embedding) requests pool by default: "mean", "cls" or "last" over the final
+    # hidden states; None: the model's own pooling config (config/pooling.py). A request may
+    # ask for another.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -412,6 +430,8 @@ class EngineConfig:
             )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ConfigError(f"kernel_backend must be 'native' or 'torch', got {self.kernel_backend!r}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.deterministic:

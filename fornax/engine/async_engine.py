@@ -31,6 +31,7 @@ from typing import Any
 from fornax.config import EngineConfig
 from fornax.engine.core import EngineCore, build_engine_core
 from fornax.engine.outputs import EngineOutput
+from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import RequestRejected, SamplingParams
 from fornax.engine.structured.spec import StructuredOutputsParams
 from fornax.layers.process_memory import release_free_heap
@@ -192,12 +193,13 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Submit a request and yield its outputs; leaving the loop early aborts it.
-        `cache_salt` isolates its prefix-cache hits (EngineCore.add_request)."""
+        `cache_salt` isolates its prefix-cache hits (EngineCore.add_request). PoolingParams
+        submit a pooling request: its one output is final and carries the vector (see `embed`)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         stream: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
@@ -213,7 +215,7 @@ class AsyncEngine:
                 # if it ran, nobody would read the request's outputs, so it must not go on.
                 self.abort(request_id)
             raise
-        remaining = params.n
+        remaining = params.n if isinstance(params, SamplingParams) else 1
         try:
             while remaining:
                 item = await stream.get()
@@ -231,6 +233,25 @@ class AsyncEngine:
         finally:
             if self._streams.pop(request_id, None) is not None and remaining:
                 self.abort(request_id)  # the consumer went away (client disconnect, cancel)
+
+    async def embed(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> EngineOutput:
+        """Submit a pooling (embedding) request and return its one output, finished, with
+        `embedding` (the vector) and `num_prompt_tokens`. Raises as `generate` does: ValueError
+        (RequestRejected, PoolingParamsError) for what the engine refuses, RequestFailedError,
+        EngineDeadError; a cancelled caller aborts the request."""
+        final: EngineOutput | None = None
+        async for out in self.generate(request_id, prompt_token_ids, params, priority, cache_salt):
+            final = out
+        if final is None or final.embedding is None:
+            raise RequestFailedError(f"request {request_id} ended without a vector")
+        return final
 
     def compile_grammar(self, params: StructuredOutputsParams) -> Any:
         """Compile (and cache) a request's grammar in the calling thread, so the engine thread

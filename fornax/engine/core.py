@@ -24,6 +24,7 @@ from fornax.engine.events import EventBus
 from fornax.engine.executor import DraftStep, Executor, LocalExecutor, make_executor
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
+from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, pooling_request
 from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
@@ -64,13 +65,14 @@ class EngineCore:
         self.config, self.model_config, self.tokenizer = config, loaded.config, tokenizer
         dtype = DTYPES[config.dtype]
         cache = config.cache
-        max_len = min(config.scheduler.max_model_len, loaded.config.max_position_embeddings)
+        max_len = min(config.scheduler.max_model_len, loaded.config.max_sequence_length)
         block_bytes = loaded.kv_cache_bytes_per_block(cache.block_size, dtype, cache.kv_cache_dtype)
         budget = cache.kv_cache_memory
         if budget is None:  # "auto"
             per_token = block_bytes // cache.block_size
             budget = default_kv_cache_memory(per_token, max_len, config.scheduler.max_num_seqs)
-        num_blocks = cache.num_blocks or max(1, budget // block_bytes)
+        seq_blocks = config.scheduler.max_num_seqs * -(-max_len // cache.block_size)  # an encoder: no K/V
+        num_blocks = cache.num_blocks or (max(1, budget // block_bytes) if block_bytes else seq_blocks)
         auto = " (auto)" if cache.kv_cache_memory is None else ""
         logger.info("KV cache: %d blocks of %d tokens, %.0f MiB%s", num_blocks, cache.block_size,
                     num_blocks * block_bytes / 2**20, auto)  # fmt: skip
@@ -133,44 +135,30 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request (fanned out to params.n sequences). Raises ValueError on bad input.
+        """Queue a request (fanned out to params.n sequences; with PoolingParams, one prefill-only
+        sequence whose final output carries its vector). Raises ValueError on bad input.
 
         `cache_salt`: requests reuse each other's cached prompt blocks only if their salts are
         equal (None is the shared, unsalted cache); the server salts by API key (tenancy.py)."""
         if request_id in self.children:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        params.validate_against_vocab(self.model_config.vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is out of range for a vocabulary of "
                              f"{self.model_config.vocab_size}")  # fmt: skip
-        structured = params.structured_outputs
-        compiled = self.grammars.compile(structured) if structured is not None else None  # cached by content
-        gate = (
-            tuple(self.tokenizer.encode(structured.starts_after, add_special_tokens=False))
-            if structured is not None and structured.starts_after
-            else ()
-        )
-        children = []
-        for index in range(params.n):
-            child_params = params if params.n == 1 else _child_params(params, index)
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            req = Request(
-                child_id,
-                prompt_token_ids,
-                child_params,
-                self.tokenizer.eos_token_ids,
-                self.max_model_len,
-                priority,
-                cache_salt=cache_salt,
-            )
-            if compiled is not None:
-                req.grammar = self.grammars.new_state(compiled, gate)  # each sample follows its own tokens
-            children.append(req)
+        if isinstance(params, PoolingParams):  # one sequence, prefill only (engine/pooling.py)
+            children = [pooling_request(request_id, prompt_token_ids, params, self.model_config,
+                                        self.config.pooling, self.max_model_len, priority, cache_salt)]  # fmt: skip
+            params = POOLING_SAMPLING  # what the detokenizer and the event tap read of it
+        elif self.model_config.encoder:
+            raise RequestRejected(f"{self.model_config.name} is an encoder (embedding) model: it serves "
+                                  "pooling requests (LLM.embed, /v1/embeddings), not generation")  # fmt: skip
+        else:
+            children = self._sampling_children(request_id, prompt_token_ids, params, priority, cache_salt)
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
         self.children[request_id] = [c.request_id for c in children]
         for index, child in enumerate(children):
@@ -180,6 +168,25 @@ class EngineCore:
             self.held[children[0].request_id] = children[1:]
         if self.event_tap is not None and self.events.active:
             self._to_tap(self.event_tap.on_add, request_id, prompt_token_ids, params)
+
+    def _sampling_children(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           priority: int, cache_salt: str | None) -> list[Request]:  # fmt: skip
+        """A generation request's n sequences."""
+        params.validate_against_vocab(self.model_config.vocab_size)
+        structured = params.structured_outputs
+        compiled = self.grammars.compile(structured) if structured is not None else None  # cached by content
+        starts_after = structured.starts_after if structured is not None else None
+        gate = tuple(self.tokenizer.encode(starts_after, add_special_tokens=False)) if starts_after else ()
+        children = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else _child_params(params, index)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            req = Request(child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len,
+                          priority, cache_salt=cache_salt)  # fmt: skip
+            if compiled is not None:
+                req.grammar = self.grammars.new_state(compiled, gate)  # each sample follows its own tokens
+            children.append(req)
+        return children
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sequence of a request, wherever it is; emits final 'abort' outputs."""
@@ -335,6 +342,7 @@ class EngineCore:
             new_logprobs=logprobs or [],
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            embedding=req.embedding,
         )
         if req.sampling_params.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
             out.prompt_logprobs, seq.sent_prompt_logprobs = seq.prompt_logprobs, True

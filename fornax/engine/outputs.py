@@ -67,7 +67,8 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request that sampled: the new token (and its logprobs if asked)."""
+    """Per scheduled request that sampled: the new token (and its logprobs if asked); per
+    pooling request that finished its prompt: its vector."""
 
     sampled: dict[str, int]  # request_id -> sampled token id
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
@@ -78,6 +79,9 @@ class ModelRunnerOutput:
     # own token) in place of an entry in `sampled`, and logprobs for each of them.
     spec_sampled: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Pooling requests whose prompt ended this step: request_id -> the pooled vector
+    # (engine/runner/pooler.py), float32 values as Python floats.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,3 +106,5 @@ class EngineOutput:
     # The failure was the request's own (a structured-output constraint no token can meet): the
     # caller answers it as a bad request (400), not as an internal error.
     invalid_request: bool = False
+    # A pooling request's vector, on its one (final) output; None for generation.
+    embedding: list[float] | None = None

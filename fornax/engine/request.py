@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fornax.engine.structured.spec import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from fornax.engine.pooling import PoolingParams
     from fornax.engine.structured.backend import GrammarState
 
 # Bounds that keep one request from asking for unbounded work. The server has its own,
@@ -237,6 +238,8 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
+        whole_prompt: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise SamplingParamsError("prompt", "the prompt must contain at least one token")
@@ -269,6 +272,12 @@ class Request:
         # Where this sequence is in its grammar (constrained decoding only); it follows the
         # accepted output tokens, so it survives preemption with them.
         self.grammar: GrammarState | None = None
+        # A pooling request (engine/pooling.py) samples nothing: it ends once its prompt is
+        # computed, with a vector. whole_prompt: its prompt is computed in one step, never in
+        # chunks (an encoder's attention sees the whole sequence at once).
+        self.pooling_params = pooling_params
+        self.whole_prompt = whole_prompt
+        self.embedding: list[float] | None = None  # the pooled vector, once the prompt is computed
         # Sampled-token budget: max_tokens, capped so prompt + output fits the model context.
         limit = sampling_params.max_tokens
         if max_model_len is not None:
@@ -292,6 +301,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def reads_every_position(self) -> bool:
+        """A pooling request whose vector reads more than its last prompt position (mean or cls
+        pooling, an encoder): each of its lives computes the prompt from position 0, so it takes
+        no prefix-cache hit, no KV tier load and no swap-in after a preemption."""
+        p = self.pooling_params
+        return p is not None and (self.whole_prompt or p.pooling_type != "last")
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

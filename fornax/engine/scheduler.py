@@ -11,6 +11,10 @@ update_from_output() does, once the tokens are really computed.
 
 Every release of KV blocks (finish, abort, preemption) goes through `_free` (rule 6).
 
+Pooling (embedding) requests are prefill-only (engine/pooling.py): scheduled like any prompt,
+finished in the step that computes their last prompt token. An encoder's prompt is never split
+(`Request.whole_prompt`): it is admitted whole or waits for a step with room.
+
 With KV tiers (engine/kv/offload) a connector supplies more of a request's prefix than the
 primary cache holds: those tokens are allocated like any others and count as computed, and the
 connector's plan for the step (what to save, what to load) rides on the SchedulerOutput.
@@ -127,13 +131,24 @@ class Scheduler:
         """Queue a new request; raises RequestRejected if it could never run."""
         n_prompt = request.num_prompt_tokens
         max_len = self.config.max_model_len
-        if n_prompt >= max_len:
+        pooling = request.pooling_params is not None  # prefill only: no room for a generated token
+        if n_prompt > max_len or (n_prompt == max_len and not pooling):
+            room = (
+                "; cut the input to fit (truncate_prompt_tokens)"
+                if pooling
+                else ", which must also leave room for at least one generated token"
+            )
             raise RequestRejected(
-                f"the prompt has {n_prompt} tokens, but the maximum context length is {max_len} "
-                f"tokens, which must also leave room for at least one generated token"
+                f"the prompt has {n_prompt} tokens, but the maximum context length is {max_len} tokens{room}"
+            )
+        budget = self.config.max_num_batched_tokens
+        if request.whole_prompt and n_prompt > budget:
+            raise RequestRejected(
+                f"the prompt has {n_prompt} tokens, but this encoder model computes a prompt whole in "
+                f"one step of at most {budget} tokens (--max-num-batched-tokens)"
             )
         capacity = self.kv.num_blocks * self.block_size
-        if cdiv(n_prompt + 1, self.block_size) > self.kv.num_blocks:
+        if cdiv(n_prompt + (not pooling), self.block_size) > self.kv.num_blocks:
             raise RequestRejected(
                 f"the prompt has {n_prompt} tokens, but the KV cache holds only {capacity} tokens "
                 f"({self.kv.num_blocks} blocks of {self.block_size})"
@@ -185,7 +200,7 @@ class Scheduler:
         in swap mode, to load its computed blocks back from the host tier."""
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
-        if self.swap and request.num_computed_tokens > 0:
+        if self.swap and request.num_computed_tokens > 0 and not request.reads_every_position:
             assert self.connector is not None
             n = request.num_computed_tokens
             table = self.kv.get_block_ids(request.request_id)[: cdiv(n, self.block_size)]
@@ -294,7 +309,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit, num_external = self._lookup(request)
-            num_new = self._chunk(request.num_tokens - num_hit - num_external, budget)
+            num_pending = request.num_tokens - num_hit - num_external
+            if request.whole_prompt:  # an encoder's prompt goes whole, or waits for a step with room
+                if num_pending > budget:
+                    break
+                num_new = num_pending
+            else:
+                num_new = self._chunk(num_pending, budget)
             # Tokens a tier supplies need blocks like computed ones, but no budget.
             block_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks, num_hit)
             if self.connector is not None and num_external:
@@ -319,8 +340,11 @@ class Scheduler:
     def _lookup(self, request: Request) -> tuple[list[int], int, int]:
         """(primary hit blocks, their tokens, tokens the tiers add after them) for an admission.
 
-        A swapped-out request takes all its computed tokens back from its swap slots instead.
+        A swapped-out request takes all its computed tokens back from its swap slots instead; a
+        pooling request that reads every position takes nothing (Request.reads_every_position).
         """
+        if request.reads_every_position:
+            return [], 0, 0
         if self.connector is not None:
             swapped = self.connector.num_swapped_tokens(request)
             if swapped:
@@ -334,8 +358,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         """Advance computed counts, cache full blocks, append sampled tokens, finish on stop.
+        A pooling request finishes when its prompt is computed (its vector is in the runner's output).
 
-        Returns the requests that got a new token (finished ones included).
+        Returns the requests that got a new token (finished ones included) or finished pooling.
         """
         changed: list[Request] = []
         finished: list[Request] = []
@@ -350,6 +375,14 @@ class Scheduler:
             if tokens is None:
                 request.num_computed_tokens += sched.num_new_tokens
                 self.kv.cache_blocks(request, request.num_computed_tokens)
+                if request.pooling_params is not None:
+                    if request.num_computed_tokens >= request.num_prompt_tokens:  # its vector is out
+                        request.embedding = runner_output.pooled[request.request_id]
+                        request.times.first_token = request.times.last_token = now
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        finished.append(request)
+                        changed.append(request)
+                    continue
                 token = runner_output.sampled.get(request.request_id)
                 if token is None:
                     continue  # a prefill chunk short of the prompt's end samples nothing

@@ -17,6 +17,7 @@ from fornax.layers.kernel_plan import FormRequest, Kernels, NoBatchInvariantForm
 from fornax.layers.linear import Int4FileBlocks, Linear
 from fornax.layers.process_memory import release_free_heap
 from fornax.models.base import CausalLM, KVCache
+from fornax.models.bert import BertModel
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.hf_dir import hf_model_config, load_hf_dir
 from fornax.models.llama import LlamaForCausalLM
@@ -42,8 +43,10 @@ from fornax.models.sharding import (
 
 # HF architecture name -> implementation. The Llama family shares one implementation
 # whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
-# layers in a decoder of its own (models/gemma3.py).
+# layers in a decoder of its own (models/gemma3.py). BERT is an encoder: it serves pooling
+# (embedding) requests only (models/bert.py).
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -70,7 +73,9 @@ class LoadedModel:
         self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     ) -> int:
         """What one paged KV-cache block of `block_size` tokens takes, over every layer: what
-        the engine sizes its cache by."""
+        the engine sizes its cache by. An encoder keeps no K/V: 0."""
+        if self.config.encoder:
+            return 0
         return KVCache.bytes_per_block(self.local_config or self.config, block_size, dtype, kv_cache_dtype)
 
 
@@ -135,6 +140,8 @@ def load_model(
             return shard_cuts(config, plan_shards(config, shard.world)[shard.rank], shard.exact)
 
     weights = load_weights(resolved, torch_dtype, progress, keep_int4_blocks=auto, cuts_for=cuts_for)
+    if shard is not None and weights.config.encoder:
+        raise ModelLoadError("an encoder model runs in one process: tensor parallelism does not split it")
     cls = ARCHITECTURES[weights.config.architecture]
     model_config = weights.config
     plan = None if shard is None else plan_shards(weights.config, shard.world)[shard.rank]
@@ -185,7 +192,7 @@ def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard 
     """load_model as an engine's config asks: its weight forms, kernels and mode, and (shard)
     one tensor-parallel rank's slice. The engine process and its worker ranks both load this way."""
     spec = config.speculative
-    return load_model(
+    loaded = load_model(
         config.model,
         config.dtype,
         progress=progress,
@@ -198,6 +205,17 @@ def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard 
         # a quantized self-draft derives its forms from the dense weights (engine/spec_decode/self_draft.py)
         keep_dense_weights=spec is not None and spec.method == "self" and spec.quantization is not None,
     )
+    # An encoder keeps no K/V and samples nothing (models/bert.py): KV tiers and drafts have
+    # nothing to work on, and its padded attention is not batch-invariant.
+    asked = {
+        "KV cache tiers": config.offload.enabled,
+        "speculative decoding": spec is not None,
+        "deterministic mode": config.deterministic,
+    }
+    if loaded.config.encoder and any(asked.values()):
+        names = ", ".join(name for name, on in asked.items() if on)
+        raise ModelLoadError(f"an encoder (embedding) model does not run with {names}")
+    return loaded
 
 
 def embedding_from_file(model: LlamaForCausalLM, weights: LoadedWeights) -> None:

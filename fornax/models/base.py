@@ -1,10 +1,11 @@
 """What the engine asks of a model, and the K/V pools every architecture writes.
 
 `CausalLM` is the interface the engine calls (the runner's step, the draft proposer, the
-memory report, the loader's weight forms): every class in `models.ARCHITECTURES` provides it,
+memory report, the loader's weight forms): every decoder in `models.ARCHITECTURES` provides it,
 and the engine annotates with it rather than with one architecture's class. Code that works
 on the Llama family's own structure (the one-call native step, a self-draft cut from the
-target's layers, a rank's slice) names `LlamaForCausalLM` instead.
+target's layers, a rank's slice) names `LlamaForCausalLM` instead. `EncoderModel` is what an
+encoder (BERT) offers instead: pooling requests only, whole sequences, no K/V.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers.attention import AttentionMetadata
+from fornax.layers.encoder_attention import EncoderMetadata
 from fornax.layers.kv_pool import LayerKV, bytes_per_token
 from fornax.layers.linear import Linear
 from fornax.layers.ops import LayerOps
@@ -88,3 +90,27 @@ class CausalLM(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+@runtime_checkable
+class EncoderModel(Protocol):
+    """A bidirectional encoder over flat batches (ModelConfig.encoder; models/bert.py): each
+    sequence computed whole in one step, no K/V kept, no LM head. The runner pools its hidden
+    states for pooling requests; it serves no generation."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata
+    ) -> torch.Tensor:
+        """[T] token ids, [T] positions (from 0 in each sequence) -> final hidden states, [T, hidden]."""
+        ...
+
+    def use_ops(self, ops: LayerOps) -> None: ...
+
+    def linear_sources(self) -> list[tuple[Linear, list[str]]]: ...
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...

@@ -1,5 +1,6 @@
 """Weights and config from a Hugging Face directory (config.json and safetensors shards), in
-the same HF names and layouts the GGUF loader (models/loader.py) gives."""
+the same HF names and layouts the GGUF loader (models/loader.py) gives; a BERT encoder's config
+(models/bert.py) and the directory's pooling (models/pooling_config.py) with them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
+from fornax.models.bert import ENCODER_ARCHITECTURES, bert_model_config
 from fornax.models.loader import (
     GEMMA3_LOCAL_ROPE_THETA,
     GEMMA3_SLIDING_PATTERN,
@@ -22,7 +24,10 @@ from fornax.models.loader import (
     ModelLoadError,
     check_tensor_set,
 )
+from fornax.models.pooling_config import read_pooling_config
 from fornax.models.sharding import take_cut
+
+GATED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
 def hf_model_config(hf_dir: Path) -> ModelConfig:
@@ -32,9 +37,18 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
         raise ModelLoadError(f"cannot read {hf_dir / 'config.json'}: {exc}") from None
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
+    pooling = read_pooling_config(hf_dir, raw)  # how it embeds (models/pooling_config.py)
+    if arch in ENCODER_ARCHITECTURES:
+        try:
+            return bert_model_config(raw, hf_dir.name, pooling)
+        except (KeyError, ValueError, ConfigError) as exc:
+            raise ModelLoadError(f"bad config.json in {hf_dir}: {exc}") from None
     if arch not in SUPPORTED_HF_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_HF_ARCHITECTURES))
+        supported = ", ".join(sorted(SUPPORTED_HF_ARCHITECTURES | ENCODER_ARCHITECTURES))
         raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {supported})")
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    if act not in GATED_ACTIVATIONS:  # the decoders' MLPs are gated: SwiGLU or GeGLU
+        raise ModelLoadError(f"unsupported activation {act!r} (supported: {', '.join(GATED_ACTIVATIONS)})")
     gemma = arch == "Gemma3ForCausalLM"
     # transformers 5 nests RoPE settings in `rope_parameters` (Gemma 3: one dict per layer
     # type); older files use flat keys.
@@ -66,9 +80,10 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma ties unless told
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
+            hidden_act=act,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             name=hf_dir.name,
+            pooling=pooling,
             **(_gemma3_hf_config(raw, local_rope) if gemma else {}),
         )
     except (KeyError, ConfigError) as exc:
@@ -115,6 +130,8 @@ def load_hf_dir(
                     tensors[name] = tensor.to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {shard}: {exc}") from None
+    if config.encoder:  # no LM head; BertModel.load_weights checks its own tensors
+        return LoadedWeights(config=config, tensors=tensors, metadata={})
     if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
         config = replace(config, tie_word_embeddings=True)
     check_tensor_set(config, tensors)

