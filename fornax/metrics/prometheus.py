@@ -46,9 +46,9 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 # Per-token gaps: ~1 ms on a GPU decode, tens to hundreds of ms on a CPU or behind a prefill.
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                      0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
-# The generation routes (server/api.py, openai_responses.py, anthropic_messages.py), each a label
-# of fornax:requests_total from the start, so rate() sees a route's first request.
-ENDPOINTS = ("chat", "completions", "responses", "messages")
+# The engine routes (server/api.py, openai_responses.py, anthropic_messages.py, embeddings.py), each
+# a label of fornax:requests_total from the start, so rate() sees a route's first request.
+ENDPOINTS = ("chat", "completions", "responses", "messages", "embeddings")
 MODEL_LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0,
                         2.5, 5.0, 10.0)  # fmt: skip

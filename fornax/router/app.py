@@ -46,7 +46,8 @@ routes = APIRouter()
 # path -> endpoint (the proxy's name for it, a metrics label)
 RELAY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
                "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens", "/tokenize": "tokenize",
-               "/detokenize": "detokenize"}  # fmt: skip
+               "/detokenize": "detokenize", "/v1/embeddings": "embeddings", "/v1/rerank": "rerank",
+               "/v1/score": "score"}  # fmt: skip
 
 
 def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> RouterApp:

@@ -45,6 +45,8 @@ from fornax.server.protocol import (
 from fornax.server.serving import (
     json_response,
     parse_request,
+    require_generation,
+    routes_of,
     run_to_end,
     server_state,
     sse_stream,
@@ -100,6 +102,7 @@ async def models(request: Request) -> Response:
                 max_model_len=max_len,
                 deterministic=model.config.engine.deterministic,
                 kernels=model.engine.kernels if model.engine is not None else None,
+                endpoints=routes_of(model.engine) if model.engine is not None else None,
             )
             for name in model.config.names
         ]
@@ -122,6 +125,7 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state, engine, req, model, k = await _parse_generation_request(request, CompletionRequest)
+    require_generation(engine, model)
     vocab = engine.model_config.vocab_size
     for name in ("tools", "tool_choice"):
         if getattr(req, name) not in (None, [], "none"):

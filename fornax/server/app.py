@@ -30,6 +30,7 @@ from fornax.server import body_parser
 from fornax.server.anthropic_messages import router as messages_router
 from fornax.server.api import router
 from fornax.server.auth import Gate, KeyStore
+from fornax.server.embeddings import router as embeddings_router
 from fornax.server.errors import install_error_handlers
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
@@ -92,6 +93,7 @@ def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModel
     app.include_router(router)
     app.include_router(messages_router)
     app.include_router(responses_router)
+    app.include_router(embeddings_router)
     app.include_router(metrics_router)
     app.include_router(visualizer_router)
     app.add_middleware(ModelLeases, models=model_set)

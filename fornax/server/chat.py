@@ -28,7 +28,7 @@ from fornax.server.limits import (
 )  # fmt: skip
 from fornax.server.openai_format import TokenText
 from fornax.server.protocol import ChatCompletionRequest
-from fornax.server.serving import start_generation
+from fornax.server.serving import require_generation, start_generation
 from fornax.server.state import ServerState
 from fornax.server.structured import compile_constraint, constraint_of, tool_plan
 from fornax.tools import ToolPlan, prepare_messages
@@ -89,6 +89,7 @@ async def start_chat(
     *, prefix: str = "chatcmpl", endpoint: str = "chat",
 ) -> ChatRun:  # fmt: skip
     """Check, render and admit one chat request (400s name the chat field at fault)."""
+    require_generation(engine, request.state.served_model)
     template = engine.tokenizer.chat_template
     tools = tool_plan(req, template, state.config.tool_call_parser)
     reasoning = reasoning_of(req, template, state.config.reasoning_parser)

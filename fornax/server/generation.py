@@ -19,6 +19,7 @@ from fastapi import Request
 
 from fornax.engine.async_engine import AsyncEngine
 from fornax.engine.outputs import EngineOutput, TokenLogprobs
+from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import SamplingParams
 from fornax.server.state import Inflight, RequestRecord, ServerState
 
@@ -37,6 +38,7 @@ class Choice:
     num_cached_tokens: int = 0
     timings: dict[str, float] | None = None
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    embedding: list[float] | None = None  # a pooling request's vector (server/embeddings.py)
 
     @property
     def finished(self) -> bool:
@@ -49,6 +51,8 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
             self.timings = out.timings
@@ -80,6 +84,7 @@ class Generation:
         engine: AsyncEngine,
         model_name: str,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.state, self.engine, self.model_name = state, engine, model_name
         self.request_id, self.endpoint, self.key_name, self.stream = request_id, endpoint, key_name, stream
@@ -89,6 +94,9 @@ class Generation:
             [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
         )
         self.cache_salt = cache_salt  # the engine's prefix-cache salt (tenancy.Tenancy.cache_salt)
+        # Pooling requests (embeddings) go to the engine with these; `params` then only counts
+        # them for admission and limits (one sequence of at most one token each).
+        self.pooling = pooling
         # The request's own `prompt_logprobs` (vLLM's field), shown in vLLM's format; the engine
         # may compute prompt logprobs for completions' echo alone, which shows them its own way.
         self.prompt_logprobs_shown: int | None = None
@@ -131,8 +139,8 @@ class Generation:
     async def _merged(self) -> AsyncIterator[tuple[int, EngineOutput]]:
         """All prompts' outputs in arrival order, tagged with the prompt's index."""
         if len(self.prompts) == 1:
-            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self.params, self.priority,
-                                       cache_salt=self.cache_salt)  # fmt: skip
+            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self.pooling or self.params,
+                                       self.priority, cache_salt=self.cache_salt)  # fmt: skip
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     yield 0, out
@@ -141,8 +149,8 @@ class Generation:
 
         async def pump(p: int) -> None:
             try:
-                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self.params, self.priority,
-                                           cache_salt=self.cache_salt)  # fmt: skip
+                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self.pooling or self.params,
+                                           self.priority, cache_salt=self.cache_salt)  # fmt: skip
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((p, out))

@@ -129,8 +129,9 @@ def check_messages(messages: list[ChatMessage], config: ServerConfig) -> list[di
     return out
 
 
-def check_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
-    """A completions `prompt` (string, strings, token ids, lists of token ids) -> a list of prompts."""
+def check_prompts(prompt: Any, config: ServerConfig, param: str = "prompt") -> list[str | list[int]]:
+    """A completions `prompt` (string, strings, token ids, lists of token ids) -> a list of prompts
+    (`param`: the field's name, "input" on /v1/embeddings)."""
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     # The model validated `prompt` as one of str | list[str] | list[int] | list[list[int]], so
@@ -141,12 +142,13 @@ def check_prompts(prompt: Any, config: ServerConfig) -> list[str | list[int]]:
     else:
         prompts = list(prompt)
     if not prompts:
-        raise bad_request("'prompt' must not be empty", param="prompt")
+        raise bad_request(f"'{param}' must not be empty", param=param)
     if len(prompts) > config.max_prompts:
-        raise bad_request(f"at most {config.max_prompts} prompts are allowed in one request", param="prompt")
+        raise bad_request(f"at most {config.max_prompts} prompts are allowed in one request (--max-prompts)",
+                          param=param)  # fmt: skip
     for p in prompts:
         if isinstance(p, list) and not p:
-            raise bad_request("a token-id prompt must not be empty", param="prompt")
+            raise bad_request("a token-id prompt must not be empty", param=param)
     return prompts
 
 

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from fornax.server.anthropic_protocol import MessagesCountTokensRequest, MessagesRequest
+from fornax.server.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from fornax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,9 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": MessagesCountTokensRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/rerank": RerankRequest,
+    "/v1/score": ScoreRequest,
 }
 _REF = "#/components/schemas/{model}"
 # One working body per route: documentation for a reader, and the explicit case that a
@@ -49,6 +53,9 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
     "/v1/messages": {"messages": [{"role": "user", "content": "What is LLM inference?"}], "max_tokens": 4},
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "What is LLM inference?"}]},
     "/v1/responses": {"input": "What is LLM inference?", "max_output_tokens": 4},
+    "/v1/embeddings": {"input": ["What is LLM inference?", "Serving a model's weights."]},
+    "/v1/rerank": {"query": "What is LLM inference?", "documents": ["Serving weights.", "A recipe."]},
+    "/v1/score": {"text_1": "What is LLM inference?", "text_2": ["Serving weights.", "A recipe."]},
 }
 PUBLIC_PATHS = frozenset({"/health"})
 

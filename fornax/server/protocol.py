@@ -321,6 +321,8 @@ class ModelCard(_Response):
     # fornax: the kernels the model runs on, e.g. "kernels: avx2+fma; decode int4, large steps
     # int8 x int8, attention bf16" (docs/kernels.md); None while the model is not loaded
     kernels: str | None = None
+    # fornax: the API routes the model serves ("chat", ..., "embeddings"); None while not loaded
+    endpoints: list[str] | None = None
 
 
 class ModelList(_Response):

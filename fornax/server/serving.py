@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from fornax.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import SamplingParams
 from fornax.server.admission import admit
 from fornax.server.auth import key_name, key_role
@@ -54,12 +55,29 @@ async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerSta
     return state, engine, req, name or model.name
 
 
+# What a model serves (its /v1/models card says so): an encoder embeds only.
+EMBEDDING_ROUTES = ("embeddings", "rerank", "score")
+GENERATION_ROUTES = ("chat", "completions", "responses", "messages")
+
+
+def routes_of(engine: AsyncEngine) -> list[str]:
+    return list(EMBEDDING_ROUTES if engine.model_config.encoder else GENERATION_ROUTES + EMBEDDING_ROUTES)
+
+
+def require_generation(engine: AsyncEngine, model: str) -> None:
+    """400 for a generation request to a model that only embeds."""
+    if engine.model_config.encoder:
+        raise bad_request(f"the model '{model}' is an embedding model: it serves /v1/embeddings, /v1/rerank "
+                          "and /v1/score, not generation", param="model", code="model_not_generative")  # fmt: skip
+
+
 def start_generation(
     state: ServerState, request: Request, engine: AsyncEngine, prefix: str, endpoint: str, prompts: list[list[int]],
-    params: SamplingParams, priority: int, stream: bool,
+    params: SamplingParams, priority: int, stream: bool, pooling: PoolingParams | None = None,
 ) -> Generation:  # fmt: skip
     """Admit the work (queue bounds, then the key's limits: 429s) and make its Generation;
-    `endpoint` labels it in metrics, usage and the visualizer."""
+    `endpoint` labels it in metrics, usage and the visualizer. `pooling`: embedding requests,
+    admitted as `params` (one sequence of one token per prompt)."""
     key = key_name(request.state)
     admit(state, prompts, params, priority, key, key_role(request.state))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -67,7 +85,7 @@ def start_generation(
     tenancy.admit(key, request_id, prompts, params, engine.max_model_len)  # per-key limits: 429
     salt = tenancy.cache_salt(key, getattr(request.state, "cache_salt", None))
     return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, engine,
-                      request.state.served_model, cache_salt=salt)  # fmt: skip
+                      request.state.served_model, cache_salt=salt, pooling=pooling)  # fmt: skip
 
 
 async def run_to_end(request: Request, gen: Generation, work: Awaitable[Any] | None = None) -> None:
