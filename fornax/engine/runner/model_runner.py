@@ -65,8 +65,10 @@ class ModelRunner:
         # Small steps in one native call where the model's forms allow (models/native_step.py).
         native = kernel_backend == "native" and executor.runs_native_step and not config.encoder
         self.native_step = NativeStep.build(model, self.kv_cache) if native else None
-        # How a step's hidden states are computed, chosen once (docs/architecture.md, rule 8).
-        self._forward = self._encoder_forward if config.encoder else self._decoder_forward
+        # How a step's hidden states are computed. A flag, not a stored bound method: that would
+        # make the runner refer to itself, so a dropped engine's KV pools would wait for the
+        # cycle collector instead of being freed at once.
+        self._encoder = config.encoder
         # What runs, in one line (layers/kernel_plan.py): the start-up log and /v1/models say it.
         kv = "int8" if self.kv_cache.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
         attention = "torch" if self.attention_kernel is None else kv
@@ -96,7 +98,8 @@ class ModelRunner:
         items = sched.scheduled
         input_ids, positions = self._flatten_tokens(items)
         pending_masks = self.masks.start(items)  # filled while the forward runs
-        hidden = self._forward(items, input_ids, positions)  # [T, hidden]
+        forward = self._encoder_forward if self._encoder else self._decoder_forward
+        hidden = forward(items, input_ids, positions)  # [T, hidden]
 
         ends = np.cumsum([s.num_new_tokens for s in items]) - 1
         sampling = [
