@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from fornax.engine.async_engine import AsyncEngine
-from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams
+from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, PoolingParamsError
 from fornax.server.errors import bad_request
 from fornax.server.generation import Generation
 from fornax.server.limits import check_prompts, check_text_fits, check_token_count, check_token_ids
@@ -68,9 +68,11 @@ class ScoreRequest(_Request):
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     state, engine, req, model = await parse_request(request, EmbeddingRequest)
-    gen = await _embed(
-        request, state, engine, req, req.input, "input", PoolingParams(dimensions=req.dimensions)
-    )
+    try:
+        pooling = PoolingParams(dimensions=req.dimensions)
+    except PoolingParamsError as exc:  # dimensions that no model takes (0, negative)
+        raise bad_request(str(exc), param=exc.param) from None
+    gen = await _embed(request, state, engine, req, req.input, "input", pooling)
     data = [
         {
             "object": "embedding",

@@ -93,6 +93,7 @@ def test_models_say_what_they_serve_and_chat_to_an_embedder_is_a_400(client) -> 
     ({"input": [[10**9]]}, "out of range"),
     ({"input": "word " * 2000}, "context"),
     ({"input": "x", "dimensions": 10}, "dimensions"),
+    ({"input": [-997, -7820124], "dimensions": -1014}, "dimensions"),  # found by the campaign: was a 500
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
 ])  # fmt: skip
 def test_bad_input_is_a_clear_400(server, body, match) -> None:
