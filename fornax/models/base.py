@@ -24,6 +24,25 @@ from fornax.layers.linear import Linear
 from fornax.layers.ops import LayerOps
 
 
+class LinearForms(nn.Module):
+    """What the loader and the memory report ask of any model's projections (layers/linear.py):
+    the decoders and the encoders share these answers, so they are written once."""
+
+    def has_small_step_forms(self) -> bool:
+        """Whether any projection has a form of its own for small steps (layers/linear.py)."""
+        return any(isinstance(m, Linear) and m.small is not None for m in self.modules())
+
+    def has_quantized_small_steps(self) -> bool:
+        """Whether any projection's small-step form is quantized (not the dense bf16 kernel)."""
+        return any(
+            isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules()
+        )
+
+    def has_int8_large_steps(self) -> bool:
+        """Whether the steps past the small-step limit run int8 x int8 (layers/linear.py Int8Rotated)."""
+        return any(isinstance(m, Linear) and m.large is not None for m in self.modules())
+
+
 class KVCache:
     """Per-layer K and V pools (layers/kv_pool.py): [num_blocks * block_size, num_kv_heads, head_dim]
     each, in the model's dtype or (kv_cache_dtype "int8") as int8 rows with scales."""

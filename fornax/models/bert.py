@@ -21,6 +21,7 @@ from fornax.config import ConfigError, ModelConfig, PoolingConfig
 from fornax.layers.encoder_attention import EncoderMetadata, encoder_attention
 from fornax.layers.linear import Linear
 from fornax.layers.ops import LayerOps
+from fornax.models.base import LinearForms
 from fornax.models.loader import ModelLoadError
 
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
@@ -86,7 +87,7 @@ class BertLayer(nn.Module):
         return self.out_norm(self.out(F.gelu(self.intermediate(x))) + x)  # exact (erf) GELU, as BERT's
 
 
-class BertModel(nn.Module):
+class BertModel(LinearForms):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -164,17 +165,6 @@ class BertModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no LM head: it serves pooling requests only")
-
-    def has_small_step_forms(self) -> bool:
-        return any(isinstance(m, Linear) and m.small is not None for m in self.modules())
-
-    def has_quantized_small_steps(self) -> bool:
-        return any(
-            isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules()
-        )
-
-    def has_int8_large_steps(self) -> bool:
-        return any(isinstance(m, Linear) and m.large is not None for m in self.modules())
 
 
 def _table(rows: int, dim: int, dtype: torch.dtype) -> nn.Embedding:

@@ -21,7 +21,7 @@ from fornax.layers.linear import Linear
 from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
-from fornax.models.base import KVCache
+from fornax.models.base import KVCache, LinearForms
 
 
 class Attention(nn.Module):
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LinearForms):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -145,20 +145,6 @@ class LlamaForCausalLM(nn.Module):
             out.append((mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
             out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
         return out
-
-    def has_small_step_forms(self) -> bool:
-        """Whether any projection has a form of its own for small steps (layers/linear.py)."""
-        return any(isinstance(m, Linear) and m.small is not None for m in self.modules())
-
-    def has_quantized_small_steps(self) -> bool:
-        """Whether any projection's small-step form is quantized (not the dense bf16 kernel)."""
-        return any(
-            isinstance(m, Linear) and m.small is not None and m.small.quantized for m in self.modules()
-        )
-
-    def has_int8_large_steps(self) -> bool:
-        """Whether the steps past the small-step limit run int8 x int8 (layers/linear.py Int8Rotated)."""
-        return any(isinstance(m, Linear) and m.large is not None for m in self.modules())
 
     def use_ops(self, ops: LayerOps) -> None:
         """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""
