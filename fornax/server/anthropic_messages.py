@@ -15,7 +15,6 @@ event.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -36,19 +35,16 @@ from fornax.server.anthropic_protocol import (
     TextPart,
     ToolParam,
 )
-from fornax.server.chat import ChatRun, start_chat, thinking_kwargs
+from fornax.server.chat import ChatRun, render_prompt, start_chat
 from fornax.server.errors import ApiError, anthropic_error_body, bad_request
 from fornax.server.limits import (
-    check_messages,
     check_sampling_fields,
-    check_text_fits,
-    message_texts,
     parse_model,
 )
 from fornax.server.protocol import ChatCompletionRequest
 from fornax.server.serving import parse_request, run_to_end, sse_stream
 from fornax.server.structured import tool_plan
-from fornax.tools import ToolCallDelta, prepare_messages
+from fornax.tools import ToolCallDelta
 from fornax.tools.output import Piece
 
 logger = logging.getLogger("fornax.server")
@@ -82,21 +78,8 @@ async def count_tokens(request: Request) -> dict[str, int]:
     """The prompt's token count, rendered as /v1/messages would render it."""
     state, engine, req, _ = await parse_request(request, MessagesCountTokensRequest)
     chat = to_chat_request(req)
-    template = engine.tokenizer.chat_template
-    tools = tool_plan(chat, template, state.config.tool_call_parser)
-    turns = check_messages(chat.messages, state.config)
-    check_text_fits(message_texts(turns), engine.max_model_len, "messages")
-    turns = prepare_messages(turns, tools.tools, tools.template_supports_tools)
-    template_tools = tools.tools if tools.template_supports_tools else None
-    try:
-        ids = await asyncio.to_thread(
-            engine.tokenizer.apply_chat_template, turns, add_generation_prompt=chat.add_generation_prompt,
-            tools=template_tools, tokenize=True, **thinking_kwargs(chat),
-        )  # fmt: skip
-    except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
-        raise bad_request(str(exc), param="messages") from None
-    # A prefill (the final assistant message, continued) is counted with the template's end of
-    # turn after it: a few tokens more than the generation's prompt, which stops at its text.
+    tools = tool_plan(chat, engine.tokenizer.chat_template, state.config.tool_call_parser)
+    _, ids, _ = await render_prompt(state, engine, chat, tools)
     return {"input_tokens": len(ids)}
 
 

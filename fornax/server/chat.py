@@ -94,33 +94,40 @@ async def start_chat(
     tools = tool_plan(req, template, state.config.tool_call_parser)
     reasoning = reasoning_of(req, template, state.config.reasoning_parser)
     constraint = constraint_of(req, tools)
-    messages = check_messages(req.messages, state.config)
-    check_text_fits(message_texts(messages), engine.max_model_len, "messages")
-    continued_message = _check_continuation(req, messages)
-    # Templates without tool support get the tools and the tool turns as text (tools/prompt.py).
-    messages = prepare_messages(messages, tools.tools, tools.template_supports_tools)
-    template_tools = tools.tools if tools.template_supports_tools else None
-    kwargs = thinking_kwargs(req)
-    try:
-        prompt = await asyncio.to_thread(
-            _render, engine, messages, req.add_generation_prompt, template_tools, kwargs, continued_message
-        )
-        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt, False)
-    except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
-        raise bad_request(str(exc), param="messages") from None
+    prompt, ids, continued_message = await render_prompt(state, engine, req, tools)
     continued = continued_message if continued_message is not None else prompt
     use_new = req.max_completion_tokens is not None
     max_tokens = resolve_max_tokens(req.max_completion_tokens if use_new else req.max_tokens, len(ids),
                                     engine.max_model_len, state.config,
                                     "max_completion_tokens" if use_new else "max_tokens")  # fmt: skip
     if constraint is not None:
-        constraint = _after_reasoning(constraint, reasoning, continued, template, kwargs)
+        constraint = _after_reasoning(constraint, reasoning, continued, template, thinking_kwargs(req))
         await compile_constraint(engine.compile_grammar, constraint)
     params = build_sampling_params(req, max_tokens, k, engine.model_config.vocab_size, constraint)
     gen = start_generation(state, request, engine, prefix, endpoint, [ids], params, req.priority, req.stream)
     gen.prompt_logprobs_shown = req.prompt_logprobs
     echo = continued_message if req.echo and continued_message is not None else ""
     return ChatRun(gen, tools, reasoning, continued, TokenText(engine.tokenizer), echo, req.include_reasoning)
+
+
+async def render_prompt(
+    state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, tools: ToolPlan
+) -> tuple[str, list[int], str | None]:
+    """The prompt a chat request is run on: (its text, its token ids, the continued final
+    message's text or None). Messages' count_tokens counts exactly this."""
+    messages = check_messages(req.messages, state.config)
+    check_text_fits(message_texts(messages), engine.max_model_len, "messages")
+    continued_message = _check_continuation(req, messages)
+    # Templates without tool support get the tools and the tool turns as text (tools/prompt.py).
+    messages = prepare_messages(messages, tools.tools, tools.template_supports_tools)
+    template_tools = tools.tools if tools.template_supports_tools else None
+    try:
+        prompt = await asyncio.to_thread(_render, engine, messages, req.add_generation_prompt, template_tools,
+                                         thinking_kwargs(req), continued_message)  # fmt: skip
+        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt, False)
+    except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
+        raise bad_request(str(exc), param="messages") from None
+    return prompt, ids, continued_message
 
 
 def _check_continuation(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str | None:
