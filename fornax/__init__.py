@@ -13,26 +13,36 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "__version__",
 ]
 
 _LAZY = {
     "LLM": "fornax.llm",
+    "LoRARequest": "fornax.engine.lora",
     "SamplingParams": "fornax.engine.request",
     "PoolingParams": "fornax.engine.pooling",
     "EmbeddingRequestOutput": "fornax.request_output",
     "CompletionOutput": "fornax.request_output",
     "RequestOutput": "fornax.request_output",
+    "ScoringRequestOutput": "fornax.request_output",
 }
 
 if TYPE_CHECKING:
+    from fornax.engine.lora import LoRARequest
     from fornax.engine.pooling import PoolingParams
     from fornax.engine.request import SamplingParams
     from fornax.llm import LLM
-    from fornax.request_output import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from fornax.request_output import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
 
 
 def __getattr__(name: str) -> Any:

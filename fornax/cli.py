@@ -202,9 +202,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # every model with the same engine flags
+    # every model with the same engine flags; LoRA adapters (--lora) adapt the first
     served = [
-        ServedModelConfig(n, dataclasses.replace(engine_config, model=m)) for m, n in zip(models, names)
+        ServedModelConfig(
+            n, dataclasses.replace(engine_config, model=m, lora=engine_config.lora if i == 0 else None)
+        )
+        for i, (m, n) in enumerate(zip(models, names))
     ]
     return serve(server_config, served)
 
@@ -215,6 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 _USER_ERRORS = (("fornax.models.registry", "ModelSourceError"), ("fornax.models.loader", "ModelLoadError"),
                 ("fornax.gguf_file", "GGUFFormatError"), ("fornax.engine.request", "SamplingParamsError"),
                 ("fornax.engine.request", "RequestRejected"), ("fornax.chat_template", "ChatTemplateError"),
+                ("fornax.models.lora", "AdapterError"),
                 ("fornax.bench", "BenchUsageError"))  # fmt: skip
 
 

@@ -33,9 +33,11 @@ from fornax.config import (
     ConfigError,
     EngineConfig,
     GiB,
+    LoRAConfig,
     OffloadConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_adapter_flag,
     parse_kv_cache_memory,
     parse_memory_size,
 )
@@ -43,7 +45,8 @@ from fornax.flag_fields import add_fields, as_argv, flag_field
 
 # The argument groups of the help, in order. "model" flags go on the command's own options.
 MODEL, ENGINE, TIERS, SPECULATIVE = "model", "engine", "KV cache tiers", "speculative decoding"
-GROUPS = (MODEL, ENGINE, TIERS, SPECULATIVE)
+LORA = "LoRA adapters"
+GROUPS = (MODEL, ENGINE, TIERS, SPECULATIVE, LORA)
 
 # Where a command's flags differ from the offline engine's (LLM): `fornax serve` takes several
 # models, and a smaller token budget per step (SERVE_MAX_NUM_BATCHED_TOKENS says why).
@@ -275,6 +278,33 @@ class EngineArgs:
         type=int,
     )
 
+    # Repeated: None when not given, as ServerArgs' repeated flags (argparse cannot append to a tuple).
+    lora: tuple[str, ...] | list[str] | None = _arg(  # noqa: RUF009 - a field()
+        None,
+        "a LoRA adapter as NAME=PATH (a PEFT directory; repeatable): requests pick it with model=NAME",
+        group=LORA,
+        action="append",
+        metavar="NAME=PATH",
+    )
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters (implied by --lora): slots for them, and adapters loadable at run time",
+        group=LORA,
+        action="store_true",
+    )
+    max_loras: int = _arg(
+        _declared(LoRAConfig, "max_loras"),
+        "adapters resident at once (one step mixes any of them); others wait for a free slot",
+        group=LORA,
+        type=int,
+    )
+    max_lora_rank: int = _arg(
+        _declared(LoRAConfig, "max_lora_rank"),
+        "the largest adapter rank accepted (the slots are sized for it)",
+        group=LORA,
+        type=int,
+    )
+
     @classmethod
     def names(cls) -> frozenset[str]:
         return frozenset(f.name for f in fields(cls))
@@ -356,7 +386,15 @@ class EngineArgs:
             ),
             seed=self.seed,
             pooling=self.pooling,
+            lora=self.create_lora_config(),
         )
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The adapters' config: present with --enable-lora or any --lora."""
+        if not self.enable_lora and not self.lora:
+            return None
+        adapters = tuple(parse_adapter_flag(value) for value in self.lora or ())
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, adapters=adapters)
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """speculative_config, with the speculative_model / num_speculative_tokens shorthands

@@ -1,5 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)`, `.chat(...)` and `.embed(inputs)`,
-vLLM's shapes."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `.chat(...)`, `.embed(inputs)` and
+`.score(text_1, text_2)`, vLLM's shapes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,18 @@ from dataclasses import replace
 from typing import Any
 
 from fornax.engine.core import EngineCore, build_engine_core
+from fornax.engine.lora import LoRARequest
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import SamplingParams
+from fornax.engine.scoring import check_cross_encoder, cosine, pair_up
 from fornax.engine_args import EngineArgs
-from fornax.request_output import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from fornax.request_output import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolPlan, parse_complete, plan_tools, prepare_messages, tool_finish_reason
 
@@ -59,17 +66,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run all prompts together; one RequestOutput per prompt, in input order."""
+        """Run all prompts together; one RequestOutput per prompt, in input order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs `enable_lora=True` or `lora=[...]` (docs/lora.md)."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        adapters = _as_lora_list(lora_request, len(prompt_list))
         results: dict[str, RequestOutput] = {}
         order = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params)):
                 request_id = str(next(self._ids))
                 ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
+                self.engine.add_request(request_id, ids, p, priority[i] if priority else 0, lora=adapters[i])
                 results[request_id] = _new_output(request_id, prompt, ids, p.n)
                 order.append(request_id)
         except Exception:
@@ -95,6 +106,7 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         tool_call_parser: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation, then generate.
 
@@ -117,7 +129,7 @@ class LLM:
         forced = plan.forced_constraint()  # the grammar makes a forced call's arguments valid
         if forced is not None:
             params = [replace(p, structured_outputs=forced) for p in params]
-        results = self.generate(prompts, params)
+        results = self.generate(prompts, params, lora_request=lora_request)
         if plan.parser_name is not None:
             for result in results:
                 for output in result.outputs:
@@ -138,7 +150,12 @@ class LLM:
         input (None: the engine's defaults, engine/pooling.py). An input longer than the
         model's limit is refused (ValueError) unless `truncate_prompt_tokens` cuts each input to
         at most that many tokens: a text keeps its first tokens and its special ones, token ids
-        their first ones."""
+        their first ones. A cross-encoder embeds nothing (ValueError): it scores pairs (`score`)."""
+        config = self.engine.model_config
+        if config.pooling.cross_encoder:
+            raise ValueError(
+                f"{config.name} is a cross-encoder: it scores text pairs (LLM.score), not embeds"
+            )
         prompt_list = _as_prompt_list(inputs)
         if isinstance(pooling_params, PoolingParams) or pooling_params is None:
             params = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -151,13 +168,62 @@ class LLM:
             raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
         texts = [p for p in prompt_list if isinstance(p, str)]
         encoded = iter(self.engine.tokenizer.encode_batch(texts, truncate_to=k) if texts else [])
+        ids = [next(encoded) if isinstance(prompt, str) else list(prompt)[:k] for prompt in prompt_list]
+        texts_of = [prompt if isinstance(prompt, str) else None for prompt in prompt_list]
+        return self._pool(texts_of, ids, params, priority)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Score text pairs, vLLM's `LLM.score`: one `text_1` against each `text_2`, or as many
+        of each, pairwise (ValueError otherwise). One output per pair, in order. An embedding
+        model's score is the cosine similarity of the two embeddings; a cross-encoder's is its
+        classifier's on the pair read as one sequence (engine/scoring.py: for one label the
+        logit through a sigmoid, sentence-transformers' CrossEncoder.predict default).
+        `truncate_prompt_tokens`: as in `embed`, per text for an embedding model, per pair for a
+        cross-encoder (the longer text cut first)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = pair_up(first, second)  # ScoringError, a ValueError
+        config = self.engine.model_config
+        if not config.pooling.cross_encoder:
+            outs = self.embed([*first, *second], truncate_prompt_tokens=truncate_prompt_tokens)
+            left, right = outs[: len(first)], outs[len(first) :]
+            return [
+                ScoringRequestOutput(a, b, cosine(left[0 if len(left) == 1 else i].embedding, right[i].embedding),
+                                     left[0 if len(left) == 1 else i].num_prompt_tokens + right[i].num_prompt_tokens)
+                for i, (a, b) in enumerate(pairs)
+            ]  # fmt: skip
+        check_cross_encoder(config)
+        k = truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
+        encoded = self.engine.tokenizer.encode_pairs(pairs, truncate_to=k)
+        params = [PoolingParams(token_type_ids=tuple(types)) for _, types in encoded]
+        outs = self._pool([None] * len(pairs), [ids for ids, _ in encoded], params, None)
+        return [
+            ScoringRequestOutput(a, b, out.embedding[0], out.num_prompt_tokens)
+            for (a, b), out in zip(pairs, outs)
+        ]
+
+    def _pool(
+        self,
+        texts: list[str | None],
+        prompts: list[list[int]],
+        params: list[PoolingParams],
+        priority: Sequence[int] | None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Run pooling requests together (batched by the scheduler like any prompts); one
+        output per prompt, in order, with its vector (a cross-encoder's: its scores)."""
         results: dict[str, EmbeddingRequestOutput] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            for i, (text, ids, p) in enumerate(zip(texts, prompts, params)):
                 request_id = str(next(self._ids))
-                ids = next(encoded) if isinstance(prompt, str) else list(prompt)[:k]
                 self.engine.add_request(request_id, ids, p, priority[i] if priority else 0)
-                text = prompt if isinstance(prompt, str) else None
                 results[request_id] = EmbeddingRequestOutput(request_id, text, ids)
         except Exception:
             for request_id in results:  # as in generate: nothing of a refused call stays queued
@@ -204,6 +270,16 @@ class LLM:
     def _run(self) -> Iterator[EngineOutput]:
         while self.engine.has_unfinished_requests():
             yield from self.engine.step()
+
+
+def _as_lora_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"{len(lora)} lora_request values for {n} prompts")
+    return list(lora)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

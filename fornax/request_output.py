@@ -1,5 +1,5 @@
-"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes, and
-EmbeddingRequestOutput for LLM.embed."""
+"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes,
+EmbeddingRequestOutput for LLM.embed and ScoringRequestOutput for LLM.score."""
 
 from __future__ import annotations
 
@@ -56,3 +56,14 @@ class EmbeddingRequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One text pair's score (LLM.score): a cosine similarity of embeddings, or a cross-encoder's
+    score (engine/scoring.py). vLLM nests the score (`outputs.score`); here it is flat."""
+
+    text_1: str
+    text_2: str
+    score: float
+    num_prompt_tokens: int  # the two texts' (embeddings) or the pair sequence's (cross-encoder)

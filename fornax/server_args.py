@@ -22,7 +22,7 @@ from fornax.config import (
     load_api_keys,
     load_key_limits,
 )
-from fornax.engine_args import ENGINE, MODEL, SPECULATIVE, TIERS, EngineArgs
+from fornax.engine_args import ENGINE, LORA, MODEL, SPECULATIVE, TIERS, EngineArgs
 from fornax.flag_fields import add_fields, as_argv, flag_field
 
 SERVER, LIMITS = "server", "per-request limits"
@@ -200,7 +200,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
     EngineArgs.add_cli_args(parser, "serve", groups=(MODEL,))
     ServerArgs.add_cli_args(parser)
-    EngineArgs.add_cli_args(parser, "serve", groups=(ENGINE, TIERS, SPECULATIVE))
+    EngineArgs.add_cli_args(parser, "serve", groups=(ENGINE, TIERS, SPECULATIVE, LORA))
 
 
 def serve_models(args: argparse.Namespace) -> list[str]:

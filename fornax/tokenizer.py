@@ -280,6 +280,26 @@ class Tokenizer:
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         return [self._wrap(e.ids, add_special_tokens, truncate_to) for e in encodings]
 
+    def encode_pairs(
+        self, pairs: list[tuple[str, str]], truncate_to: int | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each (first, second) text pair as one sequence, as the tokenizer's pair template
+        writes it (BERT: [CLS] first [SEP] second [SEP]): (ids, token type ids), the types 0
+        for the first text's part and 1 for the second's. truncate_to: at most this many ids,
+        special ones included, cut from the longer text first (transformers' `longest_first`)."""
+        out = []
+        firsts = self.backend.encode_batch([a for a, _ in pairs], add_special_tokens=False)
+        seconds = self.backend.encode_batch([b for _, b in pairs], add_special_tokens=False)
+        for a, b in zip(firsts, seconds):
+            if truncate_to is not None:
+                budget = max(truncate_to - self.backend.num_special_tokens_to_add(is_pair=True), 0)
+                n1, n2 = _longest_first(len(a.ids), len(b.ids), budget)
+                a.truncate(n1)
+                b.truncate(n2)
+            pair = self.backend.post_process(a, b, add_special_tokens=True)
+            out.append((pair.ids, pair.type_ids))
+        return out
+
     def _wrap(self, ids: list[int], add_special_tokens: bool, truncate_to: int | None = None) -> list[int]:
         s = self._specials
         bos = add_special_tokens and s.add_bos and s.bos_token_id is not None
@@ -338,6 +358,19 @@ class Tokenizer:
         text = render_chat_template(source, context)
         # The template writes BOS itself where the model wants it; adding one again would double it.
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _longest_first(n1: int, n2: int, budget: int) -> tuple[int, int]:
+    """How many tokens of each text of a pair to keep within `budget`, as the tokenizers
+    library's `longest_first` truncation chooses: the shorter text whole when the longer one
+    can give up enough, else half the budget each (the odd one to the longer)."""
+    if n1 + n2 <= budget:
+        return n1, n2
+    short, long_ = min(n1, n2), max(n1, n2)
+    long_ = short if short > budget else max(short, budget - short)
+    if short + long_ > budget:
+        short, long_ = budget // 2, budget // 2 + budget % 2
+    return (short, long_) if n1 <= n2 else (long_, short)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Frozen configs: the only home of defaults and validation, split by owner (docs/architecture.md):
 common (the default model, ConfigError, memory sizes), environment (every environment variable
-and the machine), engine (EngineConfig and its parts), pooling (how a model embeds), keys (API keys,
-rate limits) and server (ServerConfig). What is learned later (for example the number of KV blocks
-after sizing the pool) comes back as a new object via `dataclasses.replace`, never by mutation
-(rule 5).
+and the machine), engine (EngineConfig and its parts), pooling (how a model embeds), lora (the
+adapters over it), keys (API keys, rate limits) and server (ServerConfig). What is learned
+later (for example the number of KV blocks after sizing the pool) comes back as a new object via
+`dataclasses.replace`, never by mutation (rule 5).
 
 Every public name is importable from `fornax.config` itself.
 """
@@ -57,6 +57,7 @@ from fornax.config.keys import (
     load_api_keys,
     load_key_limits,
 )
+from fornax.config.lora import LoRAConfig, check_adapter_name, parse_adapter_flag
 from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 from fornax.config.server import ServedModelConfig, ServerConfig
 
@@ -85,6 +86,7 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "GiB",
+    "LoRAConfig",
     "ModelConfig",
     "OffloadConfig",
     "PoolingConfig",
@@ -93,6 +95,7 @@ __all__ = [
     "ServedModelConfig",
     "ServerConfig",
     "SpeculativeConfig",
+    "check_adapter_name",
     "debug_checks_enabled",
     "default_kv_cache_memory",
     "env_admin_key",
@@ -107,6 +110,7 @@ __all__ = [
     "load_api_keys",
     "load_key_limits",
     "machine_memory",
+    "parse_adapter_flag",
     "parse_kv_cache_memory",
     "parse_memory_size",
 ]

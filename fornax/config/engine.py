@@ -11,6 +11,7 @@ from fornax.config.common import DEFAULT_MODEL, ConfigError, GiB, parse_memory_s
 from fornax.config.environment import (
     machine_memory,
 )
+from fornax.config.lora import LoRAConfig
 from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 
 
@@ -397,6 +398,8 @@ class EngineConfig:
     # hidden states; None: the model's own pooling config (config/pooling.py). A request may
     # ask for another.
     pooling: str | None = None
+    # LoRA adapters over the model (config/lora.py; docs/lora.md); None: none can be served.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -440,6 +443,11 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.lora is not None and (self.tensor_parallel_size > 1 or self.deterministic):
+            raise ConfigError(
+                "LoRA adapters run in one process with the batch-variant forms: they cannot be combined "
+                "with tensor parallelism or deterministic mode yet"
+            )
 
     def _check_tensor_parallel(self) -> None:
         """What the tensor-parallel engine does not do yet, refused up front."""

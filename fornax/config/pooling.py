@@ -5,6 +5,10 @@ A model may say how it pools: a sentence-transformers directory does in modules.
 trained on), and a config.json may declare Matryoshka dimensions. This is the frozen record of
 that, part of ModelConfig; a pooling request takes it as its default, and the engine flag
 `--pooling` overrides its type.
+
+A cross-encoder (a sequence-classification model: BertForSequenceClassification) pools too, but
+through its head: the [CLS] row goes through the model's pooler and classifier, and its "vector"
+is the head's `num_labels` scores after `score_activation` (models/bert_classifier.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from fornax.config.common import ConfigError
 # mean: the average of every prompt position's final hidden state; cls: the first position's
 # (BERT's [CLS]); last: the last prompt position's (decoder embedders: it has seen the whole text).
 POOLING_TYPES = ("mean", "cls", "last")
+# What a cross-encoder's logits pass through (sentence-transformers' CrossEncoder.activation_fn).
+SCORE_ACTIVATIONS = ("sigmoid", "identity")
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,15 @@ class PoolingConfig:
     # refused. matryoshka_dimensions: the sizes it was trained for (empty: any size).
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # A cross-encoder's classifier: how many scores it gives per text pair (0: no head, an
+    # embedder), and the activation on its logits.
+    num_labels: int = 0
+    score_activation: str = "identity"
+
+    @property
+    def cross_encoder(self) -> bool:
+        """Whether the model scores text pairs through a classifier head instead of embedding."""
+        return self.num_labels > 0
 
     def __post_init__(self) -> None:
         if self.type is not None and self.type not in POOLING_TYPES:
@@ -41,4 +56,10 @@ class PoolingConfig:
         if any(not isinstance(d, int) or d < 1 for d in self.matryoshka_dimensions):
             raise ConfigError(
                 f"matryoshka dimensions must be positive integers, got {self.matryoshka_dimensions}"
+            )
+        if self.num_labels < 0:
+            raise ConfigError(f"num_labels must be >= 0, got {self.num_labels}")
+        if self.score_activation not in SCORE_ACTIVATIONS:
+            raise ConfigError(
+                f"score activation must be one of {', '.join(SCORE_ACTIVATIONS)}, got {self.score_activation!r}"
             )

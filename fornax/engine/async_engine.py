@@ -196,16 +196,17 @@ class AsyncEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Submit a request and yield its outputs; leaving the loop early aborts it.
-        `cache_salt` isolates its prefix-cache hits (EngineCore.add_request). PoolingParams
+        `cache_salt` isolates its prefix-cache hits, `lora` names its adapter (EngineCore.add_request). PoolingParams
         submit a pooling request: its one output is final and carries the vector (see `embed`)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         stream: asyncio.Queue[EngineOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
         done = Future()
-        self._submit("add", (request_id, prompt_token_ids, params, priority, cache_salt), done)
+        self._submit("add", (request_id, prompt_token_ids, params, priority, cache_salt, lora), done)
         try:
             await asyncio.wrap_future(done)  # raises the core's ValueError for bad input
         except BaseException as exc:
@@ -241,13 +242,14 @@ class AsyncEngine:
         params: PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> EngineOutput:
         """Submit a pooling (embedding) request and return its one output, finished, with
         `embedding` (the vector) and `num_prompt_tokens`. Raises as `generate` does: ValueError
         (RequestRejected, PoolingParamsError) for what the engine refuses, RequestFailedError,
         EngineDeadError; a cancelled caller aborts the request."""
         final: EngineOutput | None = None
-        async for out in self.generate(request_id, prompt_token_ids, params, priority, cache_salt):
+        async for out in self.generate(request_id, prompt_token_ids, params, priority, cache_salt, lora):
             final = out
         if final is None or final.embedding is None:
             raise RequestFailedError(f"request {request_id} ended without a vector")

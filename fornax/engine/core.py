@@ -21,13 +21,14 @@ from fornax.config import EngineConfig, default_kv_cache_memory
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
-from fornax.engine.executor import DraftStep, Executor, LocalExecutor, make_executor
+from fornax.engine.executor import Executor, LocalExecutor, make_executor
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, pooling_request
 from fornax.engine.request import Request, RequestRejected, RequestStatus, SamplingParams
 from fornax.engine.runner.model_runner import ModelRunner
 from fornax.engine.scheduler import Scheduler
+from fornax.engine.spec_decode import TargetInfo
 from fornax.engine.spec_decode.controller import SpecController
 from fornax.engine.stats import EngineStats, SequenceView
 from fornax.engine.structured.backend import GrammarBackend
@@ -37,7 +38,9 @@ from fornax.models import DTYPES, LoadedModel
 from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from fornax.engine.kv.offload.tiered import OffloadStats
+    from fornax.engine.lora import LoRARequest
+from fornax.engine.kv.offload.tiered import OffloadStats
+from fornax.engine.lora.serving import EngineLoRA, resolve_adapter
 
 logger = logging.getLogger("fornax.engine")
 
@@ -91,6 +94,10 @@ class EngineCore:
             executor=executor,
         )
         self.kernels = self.runner.kernels  # what runs here, in one line (layers/kernel_plan.py)
+        # LoRA adapters (engine/lora/): slots on the model's projections, a registry by name.
+        self.lora = EngineLoRA(config.lora, loaded.model, loaded.config) if config.lora is not None else None
+        if self.lora is not None:
+            self.runner.lora_state = self.lora.state
         logger.info("%s", self.kernels)
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
@@ -101,11 +108,10 @@ class EngineCore:
         # other ranks allocate as many blocks and slots for their heads
         executor.share_sizes(num_blocks, 0 if connector is None else connector.num_host_slots)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
-                                   swap=config.offload.swap)  # fmt: skip
-        self.spec = _build_spec(
-            config, loaded, num_blocks, max_len, self.runner.attention_kernel,
-            draft_step=executor.draft_step_to_ranks,
-        )  # fmt: skip
+                                   swap=config.offload.swap, lora_slots=self.lora and self.lora.slots)  # fmt: skip
+        target = TargetInfo(loaded, dtype, num_blocks, cache.block_size, max_len, self.runner.attention_kernel,
+                            config.small_step_max_rows or 0, executor.draft_step_to_ranks)  # fmt: skip
+        self.spec = SpecController.for_target(config.speculative, target) if config.speculative else None
         # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
         self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
         self.seqs: dict[str, _Sequence] = {}  # child request id -> companions
@@ -138,12 +144,14 @@ class EngineCore:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | LoRARequest | None = None,
     ) -> None:
         """Queue a request (fanned out to params.n sequences; with PoolingParams, one prefill-only
         sequence whose final output carries its vector). Raises ValueError on bad input.
 
         `cache_salt`: requests reuse each other's cached prompt blocks only if their salts are
-        equal (None is the shared, unsalted cache); the server salts by API key (tenancy.py)."""
+        equal (None is the shared, unsalted cache); the server salts by API key (tenancy.py).
+        `lora`: the adapter it runs with, by name (engine/lora/; None: the base model)."""
         if request_id in self.children:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
@@ -159,6 +167,8 @@ class EngineCore:
                                   "pooling requests (LLM.embed, /v1/embeddings), not generation")  # fmt: skip
         else:
             children = self._sampling_children(request_id, prompt_token_ids, params, priority, cache_salt)
+        for child in children:  # the adapter's slot is taken at admission (scheduler)
+            child.lora = resolve_adapter(self.lora, lora)
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
         self.children[request_id] = [c.request_id for c in children]
         for index, child in enumerate(children):
@@ -435,33 +445,6 @@ class EngineCore:
     @property
     def kv_cache_usage(self) -> float:
         return self.scheduler.kv_cache_usage
-
-
-def _build_spec(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    num_blocks: int,
-    max_len: int,
-    kernel: object | None,
-    draft_step: DraftStep | None = None,
-) -> SpecController | None:
-    if config.speculative is None:
-        return None
-    from fornax.engine.spec_decode import TargetInfo
-
-    assert config.small_step_max_rows is not None  # resolved as EngineConfig is built
-    dtype, block_size, rows = DTYPES[config.dtype], config.cache.block_size, config.small_step_max_rows
-    target = TargetInfo(
-        loaded,
-        dtype,
-        num_blocks,
-        block_size,
-        max_len,
-        kernel,
-        small_step_max_rows=rows,
-        draft_step_to_ranks=draft_step,
-    )
-    return SpecController.for_target(config.speculative, target)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -8,9 +8,13 @@ No torch here either: the runner converts to and from tensors at its own edge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fornax.engine.kv.offload.connector import TransferPlan
 from fornax.engine.request import Request
+
+if TYPE_CHECKING:
+    from fornax.models.lora import LoRAAdapter
 
 
 @dataclass
@@ -48,6 +52,8 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     # KV tier copies to carry out before the forward pass (engine/kv/offload); None: none.
     kv_transfers: TransferPlan | None = None
+    # LoRA adapters to write into slots before the forward pass (engine/lora/).
+    lora_writes: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

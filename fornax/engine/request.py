@@ -18,6 +18,7 @@ from fornax.engine.structured.spec import StructuredOutputsParams
 if TYPE_CHECKING:
     from fornax.engine.pooling import PoolingParams
     from fornax.engine.structured.backend import GrammarState
+    from fornax.models.lora import LoRAAdapter
 
 # Bounds that keep one request from asking for unbounded work. The server has its own,
 # stricter, configurable limits; these are the engine's hard floor.
@@ -253,6 +254,10 @@ class Request:
         # Mixed into the first block's hash (kv/block_pool.py salted_root): requests with
         # different salts never share cached blocks. None: the shared, unsalted chain.
         self.cache_salt = cache_salt
+        # The LoRA adapter this sequence runs with (engine/lora/; None: the base model), and
+        # the slot its weights sit in while it runs (the scheduler pins it from admission on).
+        self.lora: LoRAAdapter | None = None
+        self.lora_slot: int | None = None
         self.times = RequestTimes()
         if arrival_time is not None:
             self.times.arrival = arrival_time

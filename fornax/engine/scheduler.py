@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from fornax.config import CacheConfig, SchedulerConfig
 from fornax.engine.kv.manager import KVCacheManager, cdiv
 from fornax.engine.kv.offload.connector import KVConnector
+from fornax.engine.lora.slots import LoRASlotTable
 from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from fornax.engine.request import Request, RequestRejected, RequestStatus
 
@@ -85,7 +86,7 @@ class WaitingQueue:
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        connector: KVConnector | None = None, swap: bool = False,
+        connector: KVConnector | None = None, swap: bool = False, lora_slots: LoRASlotTable | None = None,
     ) -> None:  # fmt: skip
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -97,6 +98,8 @@ class Scheduler:
         if connector is not None:
             self.kv.record_evictions()
             connector.bind_block_hashes(self.kv.block_hash)
+        # LoRA slots (engine/lora/): a request is admitted once its adapter holds one.
+        self.lora_slots = lora_slots
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []  # in admission order; FCFS preempts from the end
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -190,6 +193,10 @@ class Scheduler:
         if self.connector is not None and request.is_finished:
             self.connector.request_finished(request, self.kv.cached_blocks(request))
         self.kv.free(request)
+        if request.lora_slot is not None:  # running requests pin their adapter's slot
+            assert self.lora_slots is not None
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = None
         if request.is_finished:
             request.times.finished = time.monotonic()
             self.requests.pop(request.request_id, None)
@@ -247,6 +254,7 @@ class Scheduler:
             self.connector.on_blocks_evicted(self.kv.take_evicted())
             transfers = self.connector.build_connector_meta()
         return SchedulerOutput(
+            lora_writes=self.lora_slots.take_writes() if self.lora_slots is not None else [],
             scheduled=batch,
             num_batched_tokens=sum(s.num_new_tokens for s in batch),
             finished_request_ids=finished,
@@ -308,6 +316,11 @@ class Scheduler:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora is not None:  # its adapter needs a slot first; else it waits for one
+                assert self.lora_slots is not None
+                request.lora_slot = self.lora_slots.acquire(request.lora)
+                if request.lora_slot is None:
+                    break
             hit_blocks, num_hit, num_external = self._lookup(request)
             num_pending = request.num_tokens - num_hit - num_external
             if request.whole_prompt:  # an encoder's prompt goes whole, or waits for a step with room
@@ -323,6 +336,9 @@ class Scheduler:
                     request, block_ids, num_hit, num_external
                 )
             if block_ids is None:
+                if request.lora_slot is not None:
+                    self.lora_slots.release(request.lora_slot)  # type: ignore[union-attr]
+                    request.lora_slot = None
                 break  # never preempt running work to admit new work; wait for room
             self.waiting.pop()
             if request.num_cached_tokens < 0:  # the first admission only, not a resume

@@ -28,6 +28,7 @@ from torch import nn
 
 from fornax.layers import kernel_plan as kp
 from fornax.layers.kernel_plan import LinearPlan
+from fornax.layers.lora import LoRASlots
 from fornax.layers.native import (
     AmxBf16Matmul,
     Bf16Matmul,
@@ -379,6 +380,8 @@ class Linear(nn.Module):
         self.large_min_rows = 0
         # What build_forms built, as plan_linear chose it; until then the dense weight alone.
         self.plan = LinearPlan(dense_name=kp.dense_form_name(dtype))
+        # Adapters' low-rank products, added on top of whichever form ran (layers/lora.py).
+        self.lora: LoRASlots | None = None
 
     def shape(self, **file: object) -> kp.LinearShape:
         """This Linear as plan_linear sees it; `file`: LinearShape's fields on the file's tensors."""
@@ -468,5 +471,8 @@ class Linear(nn.Module):
             if self.weight is None:  # dropped only where the plan found no row count gets here
                 shape = f"{self.in_features}, {self.out_features}"
                 raise RuntimeError(f"Linear({shape}): no form serves {rows} rows")
-            return F.linear(x, self.weight, self.bias)
-        return y + self.bias if self.bias is not None else y
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora.add_to(x, y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.lora is None else self.lora.add_to(x, y)

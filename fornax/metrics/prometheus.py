@@ -6,7 +6,8 @@ Three feeds, each cheap and each in one place:
 - `on_record(record)`: a finished request (metrics/records.py; the server's RequestRecord),
   once per finished request (event loop).
   Latency histograms (TTFT, E2E, queue, prefill, decode, time per output token), token
-  counters and histograms, success by finish reason, aborts.
+  counters and histograms, success by finish reason, aborts; for embedding, rerank and score
+  requests (endpoint "embeddings") their own requests, prompt tokens and latency as well.
 - `on_step(stats)`: the engine's StepStats, after every step (engine thread). Batch size
   histograms and the inter-token latency, from the time each sequence's tokens arrive.
 - `refresh(snapshot)`: the engine's EngineStats (and KV tier stats) read at scrape time
@@ -123,6 +124,15 @@ class Metrics:
                                  ["model_name", "endpoint"], registry=self.registry)  # fmt: skip
         for endpoint in ENDPOINTS:
             self._requests.labels(model_name, endpoint)
+        # -- embedding, rerank and score requests (server/embeddings.py: endpoint "embeddings"),
+        # apart from generation's, since their latency is one prefill and no decode --
+        self.embedding_requests = counter("embedding_requests", "Embedding, rerank and score requests ended.")
+        self.embedding_prompt_tokens = counter(
+            "embedding_prompt_tokens", "Prompt tokens of embedding, rerank and score requests."
+        )
+        self.embedding_latency = hist("embedding_request_latency_seconds",
+                                      "Engine time from arrival to the last input's result, per "
+                                      "embedding, rerank or score request.", t)  # fmt: skip
         self._errors = Counter("fornax:request_errors", "HTTP responses with a 4xx or 5xx status, by status.",
                                ["model_name", "status"], registry=self.registry)  # fmt: skip
         # -- per step (from StepStats) --
@@ -151,6 +161,22 @@ class Metrics:
             "model_unloads", "Times the model was unloaded to make room for another."
         )
         self.model_load_seconds = hist("model_load_seconds", "Time to load the model.", MODEL_LOAD_BUCKETS)
+
+        # -- LoRA adapters (docs/lora.md): series per adapter, made as adapters appear --
+        def per_adapter(name: str, doc: str) -> Counter:
+            return Counter(f"fornax:{name}", doc, ["model_name", "adapter"], registry=self.registry)
+
+        self._lora_requests = per_adapter("lora_requests", "Requests ended that ran with a LoRA adapter.")
+        self._lora_prompt_tokens = per_adapter(
+            "lora_prompt_tokens", "Prompt tokens of requests with an adapter."
+        )
+        self._lora_generation_tokens = per_adapter(
+            "lora_generation_tokens", "Tokens generated for requests with an adapter."
+        )
+        self._lora_loads = per_adapter(
+            "lora_adapter_loads", "Times an adapter was loaded (at start or run time)."
+        )
+        self._lora_unloads = per_adapter("lora_adapter_unloads", "Times an adapter was unloaded.")
         self._mirrored = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0}
         self._init_offload(model_name)
         # Last token time per (engine request id, choice index): touched by the engine thread only.
@@ -212,6 +238,14 @@ class Metrics:
     # -- feeds --
     def on_record(self, record: FinishedRequest) -> None:
         self._requests.labels(self.model_name, record.endpoint).inc()
+        if record.endpoint == "embeddings":
+            self._on_embedding(record)
+        if record.lora is not None:
+            self._lora_requests.labels(self.model_name, record.lora).inc()
+            self._lora_prompt_tokens.labels(self.model_name, record.lora).inc(record.num_prompt_tokens)
+            self._lora_generation_tokens.labels(self.model_name, record.lora).inc(
+                record.num_completion_tokens
+            )
         self.prompt_tokens.inc(record.num_prompt_tokens)
         self.generation_tokens.inc(record.num_completion_tokens)
         self.req_prompt_tokens.observe(record.num_prompt_tokens)
@@ -234,6 +268,14 @@ class Metrics:
         decode_tokens = record.num_completion_tokens - len(record.finish_reasons)  # first tokens excluded
         if decode_tokens > 0:
             self.tpot.observe(t.get("decode_s", 0.0) / decode_tokens)
+
+    def _on_embedding(self, record: FinishedRequest) -> None:
+        """Every ended embedding request counts (as fornax:requests does); the latency of the
+        finished ones: e2e_s, the request's last input's (server/generation.py timings)."""
+        self.embedding_requests.inc()
+        self.embedding_prompt_tokens.inc(record.num_prompt_tokens)
+        if not record.aborted and "e2e_s" in record.timings:
+            self.embedding_latency.observe(record.timings["e2e_s"])
 
     def on_step(self, stats: StepStats) -> None:
         # Runs in the engine thread, where an exception would stop the engine: never raise.
@@ -293,6 +335,10 @@ class Metrics:
     def on_model_unloaded(self) -> None:
         self.model_unloads.inc()
         self.model_loaded.set(0)
+
+    def on_adapter(self, adapter: str, loaded: bool) -> None:
+        """An adapter loaded (at start or through /v1/load_lora_adapter) or unloaded."""
+        (self._lora_loads if loaded else self._lora_unloads).labels(self.model_name, adapter).inc()
 
     def on_response_status(self, status: int) -> None:
         if status >= 400:

@@ -12,7 +12,7 @@ class FinishedRequest(Protocol):
     seconds (queue_s, ttft_s, prefill_s, decode_s, e2e_s, and spec_* when it speculated)."""
 
     @property
-    def endpoint(self) -> str: ...  # the API route: "chat", "completions", "responses", "messages"
+    def endpoint(self) -> str: ...  # the API route: "chat", "completions", "messages", ..., "embeddings"
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -28,3 +28,6 @@ class FinishedRequest(Protocol):
 
     @property
     def aborted(self) -> bool: ...
+
+    @property
+    def lora(self) -> str | None: ...  # the LoRA adapter it ran with (None: the base model)

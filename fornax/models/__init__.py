@@ -18,6 +18,7 @@ from fornax.layers.linear import Int4FileBlocks, Linear
 from fornax.layers.process_memory import release_free_heap
 from fornax.models.base import CausalLM, KVCache
 from fornax.models.bert import BertModel
+from fornax.models.bert_classifier import BertForSequenceClassification
 from fornax.models.gemma3 import Gemma3ForCausalLM
 from fornax.models.hf_dir import hf_model_config, load_hf_dir
 from fornax.models.llama import LlamaForCausalLM
@@ -44,9 +45,11 @@ from fornax.models.sharding import (
 # HF architecture name -> implementation. The Llama family shares one implementation
 # whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
 # layers in a decoder of its own (models/gemma3.py). BERT is an encoder: it serves pooling
-# (embedding) requests only (models/bert.py).
+# (embedding) requests only (models/bert.py), or with a classifier head scores text pairs as a
+# cross-encoder (models/bert_classifier.py).
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

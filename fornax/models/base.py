@@ -121,9 +121,14 @@ class EncoderModel(Protocol):
     dtype: torch.dtype
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: EncoderMetadata,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T] token ids, [T] positions (from 0 in each sequence) -> final hidden states, [T, hidden]."""
+        """[T] token ids, [T] positions (from 0 in each sequence), [T] token types (None: all 0)
+        -> final hidden states, [T, hidden]."""
         ...
 
     def use_ops(self, ops: LayerOps) -> None: ...

@@ -6,7 +6,9 @@ only (docs/models.md, Embeddings): there is no LM head, and no K/V is kept, sinc
 computed whole in one step (the scheduler never splits an encoder's prompt). The step arrives
 flat, [T] tokens of many sequences end to end, with the encoder metadata the runner builds once
 (layers/encoder_attention.py); every projection is fornax's Linear, so the native dense kernels
-serve the steps they are planned for (layers/kernel_plan.py), in float32 or bfloat16.
+serve the steps they are planned for (layers/kernel_plan.py), in float32 or bfloat16. A text
+pair (a cross-encoder's query and document) comes with per-token types: 0 for the first text,
+1 for the second (models/bert_classifier.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fornax.layers.ops import LayerOps
 from fornax.models.base import LinearForms
 from fornax.models.loader import ModelLoadError
 
-ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+# BertForSequenceClassification: the encoder with a classifier head (a cross-encoder).
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
 
 
 def bert_model_config(raw: dict[str, Any], name: str, pooling: PoolingConfig) -> ModelConfig:
@@ -34,8 +37,9 @@ def bert_model_config(raw: dict[str, Any], name: str, pooling: PoolingConfig) ->
     if raw.get("hidden_act", "gelu") != "gelu":
         raise ConfigError(f"unsupported BERT activation {raw['hidden_act']!r} (supported: gelu)")
     heads = int(raw["num_attention_heads"])
+    archs = raw.get("architectures") or ["BertModel"]
     return ModelConfig(
-        architecture="BertModel",
+        architecture=str(archs[0]),
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
@@ -103,10 +107,17 @@ class BertModel(LinearForms):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T], from 0 in each sequence
         meta: EncoderMetadata,
+        token_type_ids: torch.Tensor | None = None,  # [T]; None: every token of type 0
     ) -> torch.Tensor:
         """The last layer's hidden states, [T, hidden] (what sentence-transformers pools)."""
-        # Every token is of type 0 (one text per sequence); the sum in transformers' order.
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        # One text per sequence (an embedding) is all type 0: one row added to every token,
+        # no gather. The sum in transformers' order.
+        types = (
+            self.token_type_embeddings.weight[0]
+            if token_type_ids is None
+            else self.token_type_embeddings(token_type_ids)  # [T, hidden]
+        )
+        x = self.word_embeddings(input_ids) + types
         x = self.embed_norm(x + self.position_embeddings(positions))
         for layer in self.layers:
             x = layer(x, meta)

@@ -7,6 +7,11 @@ gives the longest input it was trained on. A config.json may mark a Matryoshka m
 (`matryoshka_dimensions`, or `is_matryoshka`). A module that changes the vector otherwise
 (Dense, a max or weighted pooling) is refused at load: serving without it would answer with
 different vectors than the model's own library.
+
+A sequence-classification config.json (a cross-encoder) gives its number of labels (`id2label`)
+and, when sentence-transformers saved it, the activation its CrossEncoder applies
+(`sentence_transformers.activation_fn`, or the older `sbert_ce_default_activation_function`);
+absent, CrossEncoder's default: a sigmoid for one label, none for more.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ _UNSUPPORTED_MODES = (
     "pooling_mode_weightedmean_tokens",
 )
 _MODULES = ("Transformer", "Pooling", "Normalize")  # the last part of each module's type
+# sentence-transformers' activation classes (torch.nn's), by the last part of their path.
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
 
 
 def _read(path: Path) -> Any:
@@ -46,6 +53,7 @@ def read_pooling_config(hf_dir: Path, raw: dict[str, Any]) -> PoolingConfig:
     fields: dict[str, Any] = {
         "matryoshka": bool(dims) or bool(raw.get("is_matryoshka")),
         "matryoshka_dimensions": dims,
+        **_classifier(hf_dir, raw),
     }
     settings = _read(hf_dir / "sentence_bert_config.json") or {}
     if settings.get("max_seq_length") is not None:
@@ -82,3 +90,24 @@ def _pooling_mode(path: Path) -> str:
             f"unsupported pooling in {path}: {on or 'no mode'} (supported: mean, cls, last token)"
         )
     return _POOLING_MODES[on[0]]
+
+
+def _classifier(hf_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A sequence-classification model's head: its number of labels and score activation."""
+    archs = raw.get("architectures") or []
+    if not archs or not str(archs[0]).endswith("ForSequenceClassification"):
+        return {}
+    labels = raw.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) and labels else int(raw.get("num_labels", 2))
+    settings = raw.get("sentence_transformers")
+    path = settings.get("activation_fn") if isinstance(settings, dict) else None
+    path = path or raw.get("sbert_ce_default_activation_function")
+    if path is None:
+        return {"num_labels": num_labels, "score_activation": "sigmoid" if num_labels == 1 else "identity"}
+    activation = _ACTIVATIONS.get(str(path).rpartition(".")[2])
+    if activation is None:
+        supported = ", ".join(_ACTIVATIONS)
+        raise ModelLoadError(
+            f"unsupported cross-encoder activation {path!r} in {hf_dir} (supported: {supported})"
+        )
+    return {"num_labels": num_labels, "score_activation": activation}

@@ -106,6 +106,13 @@ async def models(request: Request) -> Response:
             )
             for name in model.config.names
         ]
+    for name, model in state.models.adapters.items():
+        adapter = (
+            model.engine.core.lora.registry.get(name) if model.engine and model.engine.core.lora else None
+        )
+        cards.append(ModelCard(id=name, created=int(state.started_at), parent=model.name,
+                               root=adapter.path if adapter is not None else None,
+                               max_model_len=model.engine.max_model_len if model.engine else None))  # fmt: skip
     return json_response(ModelList(data=cards))
 
 

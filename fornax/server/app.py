@@ -32,6 +32,7 @@ from fornax.server.api import router
 from fornax.server.auth import Gate, KeyStore
 from fornax.server.embeddings import router as embeddings_router
 from fornax.server.errors import install_error_handlers
+from fornax.server.lora_routes import router as lora_router
 from fornax.server.metrics_http import StatusCounter
 from fornax.server.metrics_http import router as metrics_router
 from fornax.server.model_set import ModelLeases, ModelSet, ServedModel
@@ -92,6 +93,7 @@ def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModel
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(messages_router)
+    app.include_router(lora_router)
     app.include_router(responses_router)
     app.include_router(embeddings_router)
     app.include_router(metrics_router)

@@ -29,6 +29,8 @@ _ALWAYS_AVAILABLE = ("/health", "/version", "/admin/")
 # when it navigates. Everything the page then fetches goes through the gate with its key.
 _PUBLIC_PAGES = ("/", "/ui", "/openapi.json")  # the API's description holds no data either
 _PUBLIC_PAGE_PREFIX = "/ui/"
+# Beside /admin/*, the routes only an operator may call: loading code-like files into the model.
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 class KeyStore:
@@ -80,8 +82,8 @@ class Gate:
                 await _send(err, scope, receive, send)
                 return
             scope.setdefault("state", {}).update(key_name=who[0], key_role=who[1])
-            if (path == "/admin" or path.startswith("/admin/")) and who[1] != ADMIN:
-                err = ApiError(403, "this key may not use /admin/* (it needs an admin key: --admin-key)",
+            if (path == "/admin" or path.startswith("/admin/") or path in ADMIN_PATHS) and who[1] != ADMIN:
+                err = ApiError(403, f"this key may not use {path} (it needs an admin key: --admin-key)",
                                code="permission_denied")  # fmt: skip
                 await _send(err, scope, receive, send)
                 return

@@ -4,15 +4,17 @@
 Every input is one pooling request to the engine (engine/pooling.py): prefill-only, scheduled
 with everything else, admitted, limited per key and recorded like a generation (a Generation
 with `pooling` set, one sequence of one token per input for the budgets). Rerank and score
-compare embeddings by cosine similarity; a cross-encoder head (a sequence-classification
-model scoring the pair together) is not served yet. What is and is not: docs/usage.md.
+compare embeddings by cosine similarity, or, on a cross-encoder (a sequence-classification
+model: models/bert_classifier.py), score each (query, document) pair read as one sequence with
+the model's head: for one label the logit through a sigmoid, as sentence-transformers'
+CrossEncoder.predict returns it (engine/scoring.py). A cross-encoder embeds nothing:
+/v1/embeddings on one is a 400. What is and is not: docs/usage.md, docs/models.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import struct
 import time
 import uuid
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fornax.engine.async_engine import AsyncEngine
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, PoolingParamsError
+from fornax.engine.scoring import ScoringError, check_cross_encoder, cosine, pair_up
 from fornax.server.errors import bad_request
 from fornax.server.generation import Generation
 from fornax.server.limits import check_prompts, check_text_fits, check_token_count, check_token_ids
@@ -68,6 +71,9 @@ class ScoreRequest(_Request):
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     state, engine, req, model = await parse_request(request, EmbeddingRequest)
+    if engine.model_config.pooling.cross_encoder:
+        raise bad_request(f"the model '{model}' is a cross-encoder: it scores text pairs (/v1/rerank, "
+                          "/v1/score) and gives no embeddings", param="model")  # fmt: skip
     try:
         pooling = PoolingParams(dimensions=req.dimensions)
     except PoolingParamsError as exc:  # dimensions that no model takes (0, negative)
@@ -89,9 +95,9 @@ async def rerank(request: Request) -> Response:
     state, engine, req, model = await parse_request(request, RerankRequest)
     if not req.documents:
         raise bad_request("'documents' must not be empty", param="documents")
-    gen = await _embed(request, state, engine, req, [req.query, *req.documents], "documents", PoolingParams())
-    query, *docs = [c.embedding or [] for c in gen.choices]
-    results = [{"index": i, "relevance_score": _cosine(query, d)} for i, d in enumerate(docs)]
+    pairs = [(req.query, d) for d in req.documents]
+    scores, gen = await _scores(request, state, engine, req, pairs, "documents")
+    results = [{"index": i, "relevance_score": score} for i, score in enumerate(scores)]
     results.sort(key=lambda r: -r["relevance_score"])
     for r in results:
         if req.return_documents:
@@ -107,24 +113,74 @@ async def score(request: Request) -> Response:
     state, engine, req, model = await parse_request(request, ScoreRequest)
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-    if not first or not second:
-        raise bad_request(
-            "'text_1' and 'text_2' must not be empty", param="text_1" if not first else "text_2"
-        )
-    if len(first) != 1 and len(first) != len(second):
-        raise bad_request(f"'text_1' holds {len(first)} texts and 'text_2' {len(second)}: give one text_1, or "
-                          "as many as text_2 (scored pairwise)", param="text_1")  # fmt: skip
-    gen = await _embed(request, state, engine, req, [*first, *second], "text_2", PoolingParams())
-    vectors = [c.embedding or [] for c in gen.choices]
-    left, right = vectors[: len(first)], vectors[len(first) :]
-    pairs = [(left[0] if len(left) == 1 else left[i], v) for i, v in enumerate(right)]
-    data = [{"index": i, "object": "score", "score": _cosine(a, b)} for i, (a, b) in enumerate(pairs)]
+    try:
+        pairs = pair_up(first, second)
+    except ScoringError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    scores, gen = await _scores(request, state, engine, req, pairs, "text_2", first)
+    data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     usage = {"prompt_tokens": gen.num_prompt_tokens, "total_tokens": gen.num_prompt_tokens}
     return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                          "model": model, "data": data, "usage": usage})  # fmt: skip
 
 
 # ---- the work ----------------------------------------------------------------------------------
+
+
+async def _scores(
+    request: Request, state: ServerState, engine: AsyncEngine, req: _Request, pairs: list[tuple[str, str]],
+    param: str, firsts: list[str] | None = None,
+) -> tuple[list[float], Generation]:  # fmt: skip
+    """Each pair's score, and the finished Generation: a cross-encoder's head on the pair, else
+    the cosine of the two texts' embeddings (each first text embedded once: `firsts`, else the
+    pairs' one shared first text)."""
+    if engine.model_config.pooling.cross_encoder:
+        return await _cross_encode(request, state, engine, req, pairs, param)
+    left = firsts if firsts is not None else [pairs[0][0]]
+    gen = await _embed(request, state, engine, req, [*left, *(b for _, b in pairs)], param, PoolingParams())
+    vectors = [c.embedding or [] for c in gen.choices]
+    heads, tails = vectors[: len(left)], vectors[len(left) :]
+    return [cosine(heads[0 if len(heads) == 1 else i], v) for i, v in enumerate(tails)], gen
+
+
+async def _cross_encode(
+    request: Request, state: ServerState, engine: AsyncEngine, req: _Request, pairs: list[tuple[str, str]],
+    param: str,
+) -> tuple[list[float], Generation]:  # fmt: skip
+    """One pooling request per pair, the pair tokenized as one sequence with its token types
+    (Tokenizer.encode_pairs); each request's pooled "vector" is the head's one score."""
+    try:
+        check_cross_encoder(engine.model_config)
+    except ScoringError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    check_prompts([b for _, b in pairs], state.config, param)  # the count bound
+    if any(not a or not b for a, b in pairs):
+        raise bad_request(f"'{param}' holds an empty string: there is nothing to score", param=param)
+    max_len, truncate = engine.max_model_len, _truncation(req, engine.max_model_len)
+    if truncate is None:
+        for a, b in pairs:  # refused before the tokenizer spends time on it
+            check_text_fits([a, b], max_len, param)
+    encoded = await asyncio.to_thread(engine.tokenizer.encode_pairs, pairs, truncate)
+    vocab = engine.model_config.vocab_size
+    for ids, _ in encoded:
+        check_token_ids(ids, vocab, param)
+        check_token_count(ids, max_len, param)
+    pooling = [PoolingParams(token_type_ids=tuple(types)) for _, types in encoded]
+    gen = start_generation(state, request, engine, "embd", "embeddings", [ids for ids, _ in encoded],
+                           POOLING_SAMPLING, req.priority, False, pooling=pooling)  # fmt: skip
+    await run_to_end(request, gen)
+    scores = [c.embedding[0] for c in gen.choices if c.embedding]
+    if len(scores) != len(pairs):  # the engine ends every pooling request with its vector
+        raise RuntimeError(f"{len(pairs) - len(scores)} pairs ended without a score")
+    return scores, gen
+
+
+def _truncation(req: _Request, max_len: int) -> int | None:
+    truncate = req.truncate_prompt_tokens
+    if truncate is not None and truncate > max_len:
+        raise bad_request(f"'truncate_prompt_tokens' must be at most the model's context of {max_len}",
+                          param="truncate_prompt_tokens")  # fmt: skip
+    return truncate
 
 
 async def _embed(
@@ -136,11 +192,7 @@ async def _embed(
     prompts = check_prompts(inputs, state.config, param)
     if any(isinstance(p, str) and not p for p in prompts):
         raise bad_request(f"'{param}' holds an empty string: there is nothing to embed", param=param)
-    max_len = engine.max_model_len
-    truncate = req.truncate_prompt_tokens
-    if truncate is not None and truncate > max_len:
-        raise bad_request(f"'truncate_prompt_tokens' must be at most the model's context of {max_len}",
-                          param="truncate_prompt_tokens")  # fmt: skip
+    max_len, truncate = engine.max_model_len, _truncation(req, engine.max_model_len)
     texts = [p for p in prompts if isinstance(p, str)]
     if truncate is None:
         for text in texts:  # refused before the tokenizer spends time on it
@@ -170,8 +222,3 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return sum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0

@@ -84,7 +84,8 @@ class Generation:
         engine: AsyncEngine,
         model_name: str,
         cache_salt: str | None = None,
-        pooling: PoolingParams | None = None,
+        pooling: PoolingParams | list[PoolingParams] | None = None,
+        lora: str | None = None,
     ) -> None:
         self.state, self.engine, self.model_name = state, engine, model_name
         self.request_id, self.endpoint, self.key_name, self.stream = request_id, endpoint, key_name, stream
@@ -94,8 +95,10 @@ class Generation:
             [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
         )
         self.cache_salt = cache_salt  # the engine's prefix-cache salt (tenancy.Tenancy.cache_salt)
-        # Pooling requests (embeddings) go to the engine with these; `params` then only counts
-        # them for admission and limits (one sequence of at most one token each).
+        self.lora = lora  # the LoRA adapter it runs with (by name; None: the base model)
+        # Pooling requests (embeddings) go to the engine with these (one for all prompts, or one
+        # per prompt: a cross-encoder's pairs each carry their token types); `params` then only
+        # counts them for admission and limits (one sequence of at most one token each).
         self.pooling = pooling
         # The request's own `prompt_logprobs` (vLLM's field), shown in vLLM's format; the engine
         # may compute prompt logprobs for completions' echo alone, which shows them its own way.
@@ -136,11 +139,17 @@ class Generation:
             aborted = unfinished or any(c.finish_reason == "abort" for c in self.choices)
             self.state.finish(self._record(aborted))
 
+    def _engine_params(self, p: int) -> SamplingParams | PoolingParams:
+        """What prompt p's engine request runs with."""
+        if isinstance(self.pooling, list):
+            return self.pooling[p]
+        return self.pooling or self.params
+
     async def _merged(self) -> AsyncIterator[tuple[int, EngineOutput]]:
         """All prompts' outputs in arrival order, tagged with the prompt's index."""
         if len(self.prompts) == 1:
-            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self.pooling or self.params,
-                                       self.priority, cache_salt=self.cache_salt)  # fmt: skip
+            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self._engine_params(0),
+                                       self.priority, cache_salt=self.cache_salt, lora=self.lora)  # fmt: skip
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     yield 0, out
@@ -149,8 +158,8 @@ class Generation:
 
         async def pump(p: int) -> None:
             try:
-                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self.pooling or self.params,
-                                           self.priority, cache_salt=self.cache_salt)  # fmt: skip
+                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self._engine_params(p),
+                                           self.priority, cache_salt=self.cache_salt, lora=self.lora)  # fmt: skip
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((p, out))
@@ -202,6 +211,7 @@ class Generation:
             timings=self.timings(),
             stream=self.stream,
             aborted=aborted,
+            lora=self.lora,
         )
 
 

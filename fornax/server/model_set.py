@@ -49,6 +49,8 @@ class ServedModel:
     loading: asyncio.Future[AsyncEngine] | None = None
     leases: int = 0  # requests holding the engine (ModelSet.lease until ModelLeases releases)
     last_used: float = field(default_factory=time.monotonic)
+    # LoRA adapters loaded through /v1/load_lora_adapter (name -> path): a reload loads them again.
+    runtime_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -68,6 +70,11 @@ class ModelSet:
     ) -> None:
         self.models = models
         self.by_name = {name: m for m in models for name in m.config.names}
+        # LoRA adapters by name -> the model they adapt (server/lora_routes.py keeps it current):
+        # a request naming one runs on that model's engine with the adapter.
+        self.adapters: dict[str, ServedModel] = {
+            name: m for m in models if m.config.engine.lora for name, _ in m.config.engine.lora.adapters
+        }
         self.max_loaded, self.load_timeout_s, self.retry_after_s = max_loaded, load_timeout_s, retry_after_s
         self.thread: EngineThread | None = None  # the shared engine thread, made by the first load
         self._load: Loader | None = None  # set by the app: builds and starts an engine
@@ -85,12 +92,13 @@ class ModelSet:
         return [m for m in self.models if m.engine is not None]
 
     def find(self, name: str | None) -> ServedModel:
-        """The model a request names (None or "": the first); unknown names are a 404."""
+        """The model a request names (None or "": the first; an adapter's name: the model it
+        adapts); unknown names are a 404."""
         if not name:
             return self.primary
-        model = self.by_name.get(name)
+        model = self.by_name.get(name) or self.adapters.get(name)
         if model is None:
-            served = ", ".join(self.by_name)
+            served = ", ".join([*self.by_name, *self.adapters])
             raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")  # fmt: skip
         return model
@@ -159,7 +167,27 @@ class ModelSet:
             model.loading = None
         model.engine, model.load_error = engine, None
         model.metrics.on_model_loaded(time.monotonic() - start)
+        await self._restore_adapters(model, engine)
         return engine
+
+    async def _restore_adapters(self, model: ServedModel, engine: AsyncEngine) -> None:
+        """A (re)loaded engine's adapters as the server last left them: those unloaded at run
+        time stay unloaded, those loaded at run time are loaded again."""
+        lora = engine.core.lora
+        if lora is None:
+            return
+        for name in lora.registry.names():
+            if self.adapters.get(name) is model:
+                model.metrics.on_adapter(name, loaded=True)
+            else:
+                lora.unload(name)
+        for name, path in model.runtime_adapters.items():
+            try:
+                await asyncio.to_thread(lora.load, name, path)
+                model.metrics.on_adapter(name, loaded=True)
+            except ValueError as exc:  # the file changed since: the adapter is gone, said once
+                logger.error("LoRA adapter %s could not be loaded again: %s", name, exc)
+                self.adapters.pop(name, None)
 
     async def unload(self, model: ServedModel) -> None:
         """Stop `model`'s engine and drop it (its KV pools and weights go with it)."""

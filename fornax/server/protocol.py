@@ -323,6 +323,9 @@ class ModelCard(_Response):
     kernels: str | None = None
     # fornax: the API routes the model serves ("chat", ..., "embeddings"); None while not loaded
     endpoints: list[str] | None = None
+    # A LoRA adapter's card (vLLM's fields): the model it adapts, and where it was loaded from.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(_Response):

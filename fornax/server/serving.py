@@ -52,20 +52,29 @@ async def parse_request(request: Request, model_cls: type[M]) -> tuple[ServerSta
     model = state.models.find(name)
     engine = await state.models.lease(model, request.scope.setdefault("state", {}))
     request.state.served_model = model.name
+    # A LoRA adapter's name: the request runs on its base model's engine, with the adapter.
+    request.state.lora = name if name in state.models.adapters else None
     return state, engine, req, name or model.name
 
 
-# What a model serves (its /v1/models card says so): an encoder embeds only.
+# What a model serves (its /v1/models card says so): an encoder embeds only, and a
+# cross-encoder (a classifier head: server/embeddings.py) scores pairs only.
 EMBEDDING_ROUTES = ("embeddings", "rerank", "score")
 GENERATION_ROUTES = ("chat", "completions", "responses", "messages")
+CROSS_ENCODER_ROUTES = ("rerank", "score")
 
 
 def routes_of(engine: AsyncEngine) -> list[str]:
+    if engine.model_config.pooling.cross_encoder:
+        return list(CROSS_ENCODER_ROUTES)
     return list(EMBEDDING_ROUTES if engine.model_config.encoder else GENERATION_ROUTES + EMBEDDING_ROUTES)
 
 
 def require_generation(engine: AsyncEngine, model: str) -> None:
-    """400 for a generation request to a model that only embeds."""
+    """400 for a generation request to a model that only embeds (or only scores pairs)."""
+    if engine.model_config.pooling.cross_encoder:
+        raise bad_request(f"the model '{model}' is a cross-encoder: it serves /v1/rerank and /v1/score, not "
+                          "generation", param="model", code="model_not_generative")  # fmt: skip
     if engine.model_config.encoder:
         raise bad_request(f"the model '{model}' is an embedding model: it serves /v1/embeddings, /v1/rerank "
                           "and /v1/score, not generation", param="model", code="model_not_generative")  # fmt: skip
@@ -73,7 +82,7 @@ def require_generation(engine: AsyncEngine, model: str) -> None:
 
 def start_generation(
     state: ServerState, request: Request, engine: AsyncEngine, prefix: str, endpoint: str, prompts: list[list[int]],
-    params: SamplingParams, priority: int, stream: bool, pooling: PoolingParams | None = None,
+    params: SamplingParams, priority: int, stream: bool, pooling: PoolingParams | list[PoolingParams] | None = None,
 ) -> Generation:  # fmt: skip
     """Admit the work (queue bounds, then the key's limits: 429s) and make its Generation;
     `endpoint` labels it in metrics, usage and the visualizer. `pooling`: embedding requests,
@@ -85,7 +94,8 @@ def start_generation(
     tenancy.admit(key, request_id, prompts, params, engine.max_model_len)  # per-key limits: 429
     salt = tenancy.cache_salt(key, getattr(request.state, "cache_salt", None))
     return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, engine,
-                      request.state.served_model, cache_salt=salt, pooling=pooling)  # fmt: skip
+                      request.state.served_model, cache_salt=salt, pooling=pooling,
+                      lora=getattr(request.state, "lora", None))  # fmt: skip
 
 
 async def run_to_end(request: Request, gen: Generation, work: Awaitable[Any] | None = None) -> None:

@@ -41,12 +41,14 @@ class RequestRecord:
     timings: dict[str, float]  # queue_s, ttft_s, prefill_s, decode_s, e2e_s, tokens_per_s
     stream: bool
     aborted: bool  # the client went away, or the server gave up on it while draining
+    lora: str | None = None  # the LoRA adapter it ran with (None: the base model)
 
     def log_line(self) -> str:
         t = self.timings
         reasons = ",".join(r or "none" for r in self.finish_reasons)
         return (
-            f"{self.request_id} key={self.key_name} {self.endpoint}{' stream' if self.stream else ''} "
+            f"{self.request_id} key={self.key_name} {self.endpoint}{' stream' if self.stream else ''}"
+            f"{f' lora={self.lora}' if self.lora else ''} "
             f"prompt={self.num_prompt_tokens} completion={self.num_completion_tokens} "
             f"cached={self.num_cached_tokens} queue={t.get('queue_s', 0.0):.3f}s ttft={t.get('ttft_s', 0.0):.3f}s "
             f"total={t.get('e2e_s', 0.0):.3f}s finish={reasons}"

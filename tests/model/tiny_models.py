@@ -109,3 +109,50 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
     model.save_pretrained(str(out))
     make_tokenizer_files(out, **tokenizer)
     return model
+
+
+def make_wordpiece_files(out: Path) -> None:
+    """A small uncased WordPiece tokenizer (BERT's pipeline) with BERT's single and pair
+    templates ([CLS] a [SEP] b [SEP], types 0 then 1), trained here, saved beside a model."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(
+        TRAIN_TEXT * 4, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials)
+    )
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    # BERT's inputs, token types among them (PreTrainedTokenizerFast gives none unless told).
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )  # fmt: skip
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_cross_encoder(out: Path, seed: int = 0) -> torch.nn.Module:
+    """A tiny random BertForSequenceClassification (one label: a cross-encoder), saved with its
+    WordPiece tokenizer; returns the fp32 HF model."""
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu", num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "LayerNorm.weight" in name else 0.0) + 0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(str(out))
+    make_wordpiece_files(out)
+    return model

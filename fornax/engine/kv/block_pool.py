@@ -40,17 +40,26 @@ ROOT_BLOCK_HASH: BlockHash = bytes(32)
 # to equal a block hash, a digest would have to begin with them (or sha256 collide), which is
 # infeasible; distinct salts give distinct messages, so distinct roots.
 _SALT_DOMAIN = b"fornax-cache-salt\0"
+# The same for a chain computed under a LoRA adapter: its K/V differ from the base model's and
+# from any other adapter's. The adapter's key (a hex digest of its files) has a fixed length,
+# so (adapter, salt) pairs give distinct messages, and none equals a salt-only one.
+_ADAPTER_DOMAIN = b"fornax-lora-adapter\0"
 
 
-def salted_root(salt: str | None) -> BlockHash:
-    """Parent hash of a request's first block: ROOT_BLOCK_HASH, or a digest of the salt.
+def salted_root(salt: str | None, adapter_key: str | None = None) -> BlockHash:
+    """Parent hash of a request's first block: ROOT_BLOCK_HASH, or a digest of the salt and
+    the adapter.
 
     Two requests share cached blocks only if their whole hash chains match, and a chain starts
-    here: different salts (tenants, vLLM's `cache_salt`) never hit each other's blocks.
+    here: different salts (tenants, vLLM's `cache_salt`) never hit each other's blocks, nor do
+    different adapters (or an adapter and the base model).
     """
+    salt_bytes = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
+    if adapter_key is not None:
+        return hashlib.sha256(_ADAPTER_DOMAIN + adapter_key.encode() + b"\0" + salt_bytes).digest()
     if salt is None:
         return ROOT_BLOCK_HASH
-    return hashlib.sha256(_SALT_DOMAIN + salt.encode("utf-8", "surrogatepass")).digest()
+    return hashlib.sha256(_SALT_DOMAIN + salt_bytes).digest()
 
 
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

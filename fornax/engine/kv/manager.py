@@ -88,7 +88,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(chain) <= index:
             i = len(chain)
-            parent = chain[-1] if chain else salted_root(request.cache_salt)
+            parent = (
+                chain[-1]
+                if chain
+                else salted_root(request.cache_salt, request.lora.key if request.lora else None)
+            )
             chain.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return chain[index]
 

@@ -28,9 +28,11 @@ from fornax.layers.encoder_attention import build_encoder_metadata
 from fornax.layers.kernel_plan import DTYPE_NAMES
 from fornax.layers.kernel_plan import describe as describe_kernels
 from fornax.layers.linear import Linear
+from fornax.layers.lora import LoRAStep, LoRAStepState
 from fornax.layers.native import load_paged_attention
 from fornax.layers.ops import layer_ops
 from fornax.models.base import CausalLM, EncoderModel, KVCache
+from fornax.models.lora import write_slot
 from fornax.models.native_step import NativeStep
 
 
@@ -82,7 +84,11 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # KV tiers below the primary pool (engine/kv/offload): set by the engine when configured.
         self.kv_connector: KVConnector | None = None
-        self.pooler = Pooler()  # pooling requests' running sums live as long as the request
+        # pooling requests' running sums live as long as the request; a cross-encoder's head
+        # scores its requests (pooler.py)
+        self.pooler = Pooler(getattr(model, "classify", None) if config.pooling.cross_encoder else None)
+        # LoRA slots on the model's projections (models/lora.py attach_slots): set by the engine.
+        self.lora_state: LoRAStepState | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,6 +99,10 @@ class ModelRunner:
             assert self.kv_connector is not None
             self.executor.send_transfers(sched.kv_transfers)  # each rank copies its own heads' part
             self.kv_connector.start_load_kv(sched.kv_transfers, self.kv_cache)
+        for slot, adapter in sched.lora_writes:  # before the forward, as the scheduler placed them
+            assert self.lora_state is not None
+            write_slot(self.model, self.config, slot, adapter)
+            self.lora_state.version += 1
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         items = sched.scheduled
@@ -144,9 +154,27 @@ class ModelRunner:
             deterministic=self.deterministic,
         )
         self.executor.send_step(input_ids, positions, spans)
+        lora = self._lora_step(items)
+        if lora is not None:  # the adapted Linears read each row's adapter (layers/lora.py)
+            assert self.lora_state is not None
+            self.lora_state.current = lora
+            try:
+                return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+            finally:
+                self.lora_state.current = None
         if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
             return self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
         return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+    def _lora_step(self, items: list[ScheduledRequest]) -> LoRAStep | None:
+        """Which adapter each row of the step runs with; None when none does (nor can)."""
+        if self.lora_state is None:
+            return None
+        slots = [s.request.lora_slot for s in items]
+        ranks = {s.request.lora_slot: s.request.lora.rank for s in items if s.request.lora is not None}
+        return LoRAStep.build(  # type: ignore[arg-type]
+            slots, [s.num_new_tokens for s in items], ranks, self.lora_state.version, self.model.dtype
+        )
 
     def _encoder_forward(
         self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor
@@ -154,7 +182,12 @@ class ModelRunner:
         """An encoder's step: every sequence whole (the scheduler never splits one), attending
         within itself; [T, hidden]."""
         meta = build_encoder_metadata([s.num_new_tokens for s in items])
-        return self.model(input_ids, positions, meta)  # [T, hidden]
+        types = [p.token_type_ids if (p := s.request.pooling_params) else None for s in items]
+        if all(t is None for t in types):  # one text per sequence: all type 0, no table gather
+            return self.model(input_ids, positions, meta)  # [T, hidden]
+        # A text pair's types, whole (an encoder's prompt is never split); other sequences' all 0.
+        flat = [t for s, ts in zip(items, types) for t in (ts or (0,) * s.num_new_tokens)]
+        return self.model(input_ids, positions, meta, torch.tensor(flat))  # [T, hidden]
 
     def _verify_drafts(
         self,

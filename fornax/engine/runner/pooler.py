@@ -12,9 +12,15 @@ A request that reads more than its last row starts each life at position 0 (the 
 it no cached prefix: Request.reads_every_position), so a chunk at position 0 starts its state
 afresh, and a preempted request's state is dropped with it. The vector is then cut to
 `dimensions` (Matryoshka) and L2-normalized when asked, in float32.
+
+A cross-encoder (a model with a classifier head: models/bert_classifier.py) pools every request
+by its [CLS] row, and the rows of the requests that end in a step go through the head together,
+once per step (docs/architecture.md, rule 7): each request's "vector" is its scores.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,9 +30,11 @@ from fornax.engine.outputs import ModelRunnerOutput, ScheduledRequest
 
 
 class Pooler:
-    def __init__(self) -> None:
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # request id -> [hidden] float32: mean's running sum, or cls's first row
         self._state: dict[str, torch.Tensor] = {}
+        # A cross-encoder's classifier: [N, hidden] [CLS] rows -> [N, num_labels] float32 scores.
+        self.head = head
 
     def drop(self, request_ids: set[str]) -> None:
         """Forget finished, aborted and preempted requests (a preempted one starts over)."""
@@ -58,9 +66,23 @@ class Pooler:
             if s.request.pooling_params.pooling_type == "cls" and s.start == 0:
                 row = hidden[firsts[i]].to(torch.float32, copy=True)  # a copy: the step's rows go
                 self._state[s.request.request_id] = row
+        if self.head is not None:
+            self._score([s for _, s in pooling if s.samples], out)
+            return
         for i, s in pooling:
             if s.samples:  # the step reaches the prompt's end
                 out.pooled[s.request.request_id] = self._finish(s, hidden[int(ends[i])])
+
+    def _score(self, ending: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        """The head's scores of every request whose prompt ends this step, in one call; their
+        [CLS] rows were kept above (each resolved to cls pooling: engine/pooling.py)."""
+        if not ending:
+            return
+        assert self.head is not None
+        rows = torch.stack([self._state.pop(s.request.request_id) for s in ending])  # [N, hidden]
+        scores = self.head(rows).tolist()  # [N, num_labels]
+        for s, row in zip(ending, scores):
+            out.pooled[s.request.request_id] = row
 
     def _finish(self, s: ScheduledRequest, last_row: torch.Tensor) -> list[float]:
         request = s.request
