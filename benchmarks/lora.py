@@ -106,6 +106,13 @@ async def measure(url: str, models: list[str], streams: int, seed: int) -> float
     return summarize(results, duration).output_throughput
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,7 +151,7 @@ def main() -> int:
         finally:
             for server, _ in servers.values():
                 server.stop()
-    print(f"\n{platform.processor() or platform.machine()}; rank {args.rank}, {ADAPTERS} adapters, medians of "
+    print(f"\n{cpu_model()}; rank {args.rank}, {ADAPTERS} adapters, medians of "
           f"{args.rounds} rounds (output tok/s)")  # fmt: skip
     for streams in stream_counts:
         base = statistics.median(figures["base"][streams])

@@ -95,9 +95,12 @@ class EngineCore:
         )
         self.kernels = self.runner.kernels  # what runs here, in one line (layers/kernel_plan.py)
         # LoRA adapters (engine/lora/): slots on the model's projections, a registry by name.
-        self.lora = EngineLoRA(config.lora, loaded.model, loaded.config) if config.lora is not None else None
+        native = config.kernel_backend == "native"
+        self.lora = (
+            EngineLoRA(config.lora, loaded.model, loaded.config, native) if config.lora is not None else None
+        )
         if self.lora is not None:
-            self.runner.lora_state = self.lora.state
+            self.runner.attach_lora(self.lora.state)
         logger.info("%s", self.kernels)
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them

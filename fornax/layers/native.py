@@ -516,6 +516,57 @@ class F32Matmul(_DenseMatmul):
     symbol, dtype = "f32_matmul_f32", torch.float32
 
 
+class LoRAKernel:
+    """ctypes wrapper of kernels/lora.c: each adapted row's low-rank products, added into y in place
+    (layers/lora.py LoRASlots)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        self._fns = {torch.float32: lib.lora_add_f32, torch.bfloat16: lib.lora_add_bf16}
+        for fn in self._fns.values():
+            fn.restype, fn.argtypes = ctypes.c_int, [p, lg, p, lg, i, i, p, p, p, i, p, i, i, i]
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._fns
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, in], rows may be strided
+        y: torch.Tensor,  # [T, out], the base projection, updated in place
+        a: torch.Tensor,  # [slots, parts, max_rank, in] float32
+        b: torch.Tensor,  # [slots, max_rank, out] float32
+        row_slot: torch.Tensor,  # [T] int32, < 0: the row is left as it is
+        bounds: torch.Tensor,  # [parts + 1] int32: each part's first output column, then out
+        rank: int,
+    ) -> None:
+        rows, parts = x.shape[0], bounds.shape[0] - 1
+        if (
+            x.dtype != y.dtype
+            or x.dtype not in self._fns
+            or x.stride(1) != 1
+            or y.stride(1) != 1
+            or not (a.is_contiguous() and b.is_contiguous() and row_slot.is_contiguous())
+            or a.dtype != torch.float32
+            or b.dtype != torch.float32
+            or row_slot.dtype != torch.int32
+            or row_slot.numel() != rows
+            or y.shape[0] != rows
+            or a.shape[1] != parts
+            or a.shape[3] != x.shape[1]
+            or b.shape[2] != y.shape[1]
+            or int(bounds[-1]) != y.shape[1]
+        ):
+            raise ValueError("LoRA kernel: unexpected shapes, dtypes or layouts")
+        if DEBUG_CHECKS:
+            _check_range("row_slot", row_slot.clamp(min=-1) + 1, a.shape[0] + 1)
+        status = self._fns[x.dtype](
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows, x.shape[1], a.data_ptr(), b.data_ptr(),
+            row_slot.data_ptr(), parts, bounds.data_ptr(), a.shape[2], rank, torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"LoRA kernel failed (status {status})")
+
+
 class AmxBf16Matmul:
     """ctypes wrapper of kernels/amx_matmul.c: y = x W^T on AMX tiles, W packed as
     layers/linear.py AmxBf16 packs it. Only loaded where the CPU has AMX-BF16 and the OS lets
@@ -664,6 +715,8 @@ class QLinearDesc(ctypes.Structure):
     _fields_ = [
         ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int), ("k", ctypes.c_int), ("kind", ctypes.c_int),
+        ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p), ("lora_bounds", ctypes.c_void_p),
+        ("lora_parts", ctypes.c_int), ("lora_max_rank", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -690,6 +743,7 @@ class StepRowsDesc(ctypes.Structure):
     _fields_ = [
         ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("row_seq", ctypes.c_void_p),
         ("row_pos", ctypes.c_void_p), ("rows", ctypes.c_int), ("max_blocks", ctypes.c_int),
+        ("lora_row_slot", ctypes.c_void_p), ("lora_rank", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -702,6 +756,8 @@ def step_rows(
     *,
     num_slots: int,
     block_size: int,
+    lora_row_slot: torch.Tensor | None = None,
+    lora_rank: int = 0,
 ) -> StepRowsDesc:
     """The C step's rows (raw pointers: the caller keeps the tensors alive for the call). With
     debug checks on, their indices are range-checked here, the last place that knows the bounds."""
@@ -715,6 +771,8 @@ def step_rows(
         row_pos.data_ptr(),
         rows,
         block_tables.shape[1],
+        data_ptr_or_none(lora_row_slot),
+        lora_rank,
     )
 
 
@@ -829,6 +887,12 @@ def load_bf16_matmul() -> Bf16Matmul | None:
 def load_f32_matmul() -> F32Matmul | None:
     """The fixed-order float32 matmul, or None where it cannot run here (no native level, no compiler)."""
     return _wrap_if_available("f32_matmul_available", F32Matmul)
+
+
+@functools.cache
+def load_lora_kernel() -> LoRAKernel | None:
+    """The per-row LoRA products, or None where the library cannot be built here."""
+    return _wrap_if_available("lora_available", LoRAKernel)
 
 
 @functools.cache

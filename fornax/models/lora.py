@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from fornax.config import ModelConfig
 from fornax.layers.linear import Linear
 from fornax.layers.lora import LoRASlots, LoRAStepState
+from fornax.layers.native import load_lora_kernel
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -69,15 +70,16 @@ def adaptable_linears(model: torch.nn.Module, config: ModelConfig) -> list[Adapt
     return out
 
 
-def attach_slots(model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int) -> LoRAStepState:
+def attach_slots(
+    model: torch.nn.Module, config: ModelConfig, max_loras: int, max_rank: int, native: bool = True
+) -> LoRAStepState:
     """Give every adaptable Linear its (empty) slots; the returned state is what the runner sets
-    per step. Memory: max_loras x max_rank x (in + out) per projection, in the model's dtype."""
+    per step. Memory: max_loras x max_rank x (in + out) per projection, in float32 (layers/lora.py says why)."""
     state = LoRAStepState()
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    kernel = load_lora_kernel() if native else None
     for target in adaptable_linears(model, config):
-        target.linear.lora = LoRASlots(
-            state, target.linear.in_features, target.parts, max_loras, max_rank, dtype
-        )
+        slots = LoRASlots(state, target.linear.in_features, target.parts, max_loras, max_rank, kernel)
+        target.linear.lora = slots
     return state
 
 

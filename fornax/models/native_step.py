@@ -18,6 +18,7 @@ import torch
 
 from fornax.layers.attention import AttentionMetadata
 from fornax.layers.linear import AmxBf16, BlockInt4, BlockInt8, DenseBf16, Int8Rotated, Linear
+from fornax.layers.lora import LoRAStep
 from fornax.layers.native import (
     QLINEAR_AMX,
     QLINEAR_BF16,
@@ -51,7 +52,12 @@ def _qlinear(linear: Linear, form: object) -> QLinearDesc | None:
     else:
         return None
     bias = None if linear.bias is None else linear.bias.data
-    return QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features, kind)
+    desc = QLinearDesc(_ptr(w), _ptr(d), _ptr(m), _ptr(bias), linear.out_features, linear.in_features, kind)
+    lora = linear.lora
+    if lora is not None and lora.kernel is not None:  # the slots' tensors never move (written in place)
+        desc.lora_a, desc.lora_b, desc.lora_bounds = _ptr(lora.a), _ptr(lora.b), _ptr(lora.bounds_tensor)
+        desc.lora_parts, desc.lora_max_rank = len(lora.parts), lora.max_rank
+    return desc
 
 
 # The large tier has no upper limit on rows
@@ -99,6 +105,18 @@ class NativeStep:
             )  # fmt: skip
             self.tiers.append((max_rows, desc))
         self.max_rows = max(rows for rows, _ in self.tiers)
+        # Whether the projections' LoRA slots are in the descriptors (built after attach_slots,
+        # with the native LoRA kernel): then adapted steps run here too.
+        self.adapts = all(
+            m.lora is not None and m.lora.kernel is not None
+            for layer in model.layers
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_cache: KVCache) -> NativeStep | None:
@@ -148,12 +166,17 @@ class NativeStep:
             ))  # fmt: skip
         return layers
 
-    def covers(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+    def covers(self, meta: AttentionMetadata, num_tokens: int, lora: LoRAStep | None = None) -> bool:
         kr = meta.kernel_rows
-        return kr is not None and kr.token_index is None and num_tokens <= self.max_rows
+        adapted_ok = lora is None or self.adapts
+        return kr is not None and kr.token_index is None and num_tokens <= self.max_rows and adapted_ok
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], as LlamaForCausalLM.forward returns."""
         kr = meta.kernel_rows
@@ -166,5 +189,6 @@ class NativeStep:
         rows = step_rows(
             meta.slot_mapping, kr.block_tables, kr.row_seq, kr.row_pos, x.shape[0],
             num_slots=kv.num_blocks * kv.block_size, block_size=kv.block_size,
+            lora_row_slot=None if lora is None else lora.row_slot, lora_rank=0 if lora is None else lora.rank,
         )  # fmt: skip
         return self.kernel(desc, x, cos.contiguous(), sin.contiguous(), rows)

@@ -105,9 +105,7 @@ def test_logits_match_peft(tiny, name):
         interleaved=config.interleaves_sliding_window,
     )
     try:
-        lora.state.current = LoRAStep.build(
-            [slot], [len(ids)], {slot: adapter.rank}, lora.state.version, torch.float32
-        )
+        lora.state.current = LoRAStep.build([slot], [len(ids)], {slot: adapter.rank}, lora.state.version)
         with torch.inference_mode():
             ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
     finally:
@@ -218,3 +216,98 @@ def test_bad_adapters_are_refused_and_change_nothing(tiny, tmp_path):
     with pytest.raises(AdapterError, match="already loaded"):
         lora.load("r8-all", root / "r8-all")
     assert sorted(lora.registry.names()) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_kernel_adds_what_the_torch_path_adds(dtype):
+    """kernels/lora.c against the two-matmul torch path of layers/lora.py: three fused parts,
+    four slots, rows of several adapters and of none, a step rank below the slots' maximum."""
+    from fornax.layers.lora import LoRASlots, LoRAStepState
+    from fornax.layers.native import load_lora_kernel
+
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("the native kernels cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    parts, max_rank = (48, 16, 16), 8
+    state = LoRAStepState()
+    native = LoRASlots(state, 40, parts, 4, max_rank, kernel)
+    reference = LoRASlots(state, 40, parts, 4, max_rank, None)
+    for slot, rank in ((0, 8), (2, 3), (3, 5)):
+        pairs = [(torch.randn(rank, 40, generator=gen), torch.randn(n, rank, generator=gen)) for n in parts]
+        pairs[1] = None  # a part this adapter does not adapt
+        for slots in (native, reference):
+            slots.write(slot, pairs, scaling=0.5)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the same sum
+    # many rows (split over threads by row), and one row (its products split over threads)
+    for slots_of_requests, rows, base_rows in (
+        ([0, None, 2, 3, 0], [3, 2, 1, 4, 1], slice(3, 5)),
+        ([3], [1], None),
+    ):
+        state.current = LoRAStep.build(slots_of_requests, rows, {0: 8, 2: 3, 3: 5}, version=1)
+        x = torch.randn(sum(rows), 40, generator=gen).to(dtype)
+        y = torch.randn(sum(rows), sum(parts), generator=gen).to(dtype)
+        try:
+            got = native.add_to(x, y.clone())
+            want = reference.add_to(x, y.clone())
+        finally:
+            state.current = None
+        assert (got.float() - want.float()).abs().max().item() < tolerance * max(1.0, want.abs().max().item())
+        assert (got.float() - y.float()).abs().max().item() > 0.1  # the products were added
+        if base_rows is not None:  # the request without an adapter: untouched, bit for bit
+            assert torch.equal(got[base_rows], y[base_rows])
+
+
+def _random_adapter(out, config, rank: int, seed: int) -> None:
+    """A PEFT-format adapter of `config`'s shapes on every target, without peft (the real model
+    is a GGUF that peft cannot wrap)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = 0.05 * torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = 0.05 * torch.randn(fan_out, rank, generator=gen)
+    out.mkdir()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    targets = [m.rsplit(".", 1)[1] for m in shapes]
+    (out / "adapter_config.json").write_text(
+        json.dumps({"r": rank, "lora_alpha": rank, "target_modules": targets})
+    )
+
+
+@pytest.mark.slow
+def test_adapted_steps_in_the_one_call_step_give_the_op_by_op_bits(default_gguf, tmp_path):
+    """make run's forms on the real model: steps with adapted rows run in the one-call native
+    step (its projections carry the slots) and give, to the bit, what the Python layers give."""
+    from fornax.models.loader import gguf_model_config, read_gguf
+
+    config = gguf_model_config(read_gguf(default_gguf).metadata)
+    for n in range(2):
+        _random_adapter(tmp_path / f"a{n}", config, rank=8, seed=n)
+    llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", kv_cache_memory="128MiB",
+              lora=[f"a{n}={tmp_path / f'a{n}'}" for n in range(2)], max_lora_rank=8, progress=False)  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.native_step is not None and runner.native_step.adapts
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(f"Tell me a story about the number {i}.") for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    adapters = [LoRARequest("a0"), LoRARequest("a1"), None] * 2
+
+    def run() -> list:
+        outs = llm.generate(prompts, params, lora_request=adapters)
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+    native = run()
+    step, runner.native_step = runner.native_step, None
+    try:
+        op_by_op = run()
+    finally:
+        runner.native_step = step
+    assert native == op_by_op
+    assert native[0][0] != native[2][0] or native[0][1] != native[2][1]  # the adapter changed something

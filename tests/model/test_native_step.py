@@ -133,13 +133,13 @@ def _count_calls(llm: LLM) -> dict[str, int]:
     original = step.__call__
 
     class Counting:
-        def covers(self, meta, num_tokens):
-            return step.covers(meta, num_tokens)
+        def covers(self, meta, num_tokens, lora=None):
+            return step.covers(meta, num_tokens, lora)
 
-        def __call__(self, input_ids, positions, meta):
+        def __call__(self, input_ids, positions, meta, lora=None):
             counts["n"] += 1
             counts["multi"] += int(len(set(meta.kernel_rows.row_seq.tolist())) < len(input_ids))
-            return original(input_ids, positions, meta)
+            return original(input_ids, positions, meta, lora)
 
     llm.engine.runner.native_step = Counting()
     return counts

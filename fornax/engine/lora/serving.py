@@ -22,13 +22,16 @@ __all__ = ["AdapterError", "EngineLoRA", "resolve_adapter"]  # AdapterError: wha
 
 
 class EngineLoRA:
-    def __init__(self, config: LoRAConfig, model: torch.nn.Module, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: LoRAConfig, model: torch.nn.Module, model_config: ModelConfig, native: bool = True
+    ) -> None:
+        """native: the products through kernels/lora.c where the library builds (else torch)."""
         if model_config.encoder:
             raise AdapterError(f"{model_config.name} is an encoder: LoRA adapters apply to decoder models")
         self.config, self.model, self.model_config = config, model, model_config
         self.registry = LoRARegistry()
         self.slots = LoRASlotTable(config.max_loras)
-        self.state = attach_slots(model, model_config, config.max_loras, config.max_lora_rank)
+        self.state = attach_slots(model, model_config, config.max_loras, config.max_lora_rank, native)
         for name, path in config.adapters:
             self.load(name, path)
 

@@ -87,8 +87,15 @@ class ModelRunner:
         # pooling requests' running sums live as long as the request; a cross-encoder's head
         # scores its requests (pooler.py)
         self.pooler = Pooler(getattr(model, "classify", None) if config.pooling.cross_encoder else None)
-        # LoRA slots on the model's projections (models/lora.py attach_slots): set by the engine.
+        # LoRA slots on the model's projections (models/lora.py attach_slots): set by attach_lora.
         self.lora_state: LoRAStepState | None = None
+
+    def attach_lora(self, state: LoRAStepState) -> None:
+        """The model's projections have LoRA slots now: the one-call step is described again,
+        so that its descriptors point at them too (adapted steps then run in it)."""
+        self.lora_state = state
+        if self.native_step is not None:
+            self.native_step = NativeStep.build(self.model, self.kv_cache)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -154,17 +161,17 @@ class ModelRunner:
             deterministic=self.deterministic,
         )
         self.executor.send_step(input_ids, positions, spans)
-        lora = self._lora_step(items)
-        if lora is not None:  # the adapted Linears read each row's adapter (layers/lora.py)
-            assert self.lora_state is not None
-            self.lora_state.current = lora
-            try:
-                return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-            finally:
-                self.lora_state.current = None
-        if self.native_step is not None and self.native_step.covers(meta, len(input_ids)):
-            return self.native_step(input_ids, positions, meta)  # [T, hidden], same bits as below
-        return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        lora = self._lora_step(items)  # which adapter each row runs with (layers/lora.py)
+        if self.native_step is not None and self.native_step.covers(meta, len(input_ids), lora):
+            return self.native_step(input_ids, positions, meta, lora)  # [T, hidden], same bits as below
+        if lora is None:
+            return self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        assert self.lora_state is not None
+        self.lora_state.current = lora  # the adapted Linears read it
+        try:
+            return self.model(input_ids, positions, self.kv_cache, meta)
+        finally:
+            self.lora_state.current = None
 
     def _lora_step(self, items: list[ScheduledRequest]) -> LoRAStep | None:
         """Which adapter each row of the step runs with; None when none does (nor can)."""
@@ -172,9 +179,7 @@ class ModelRunner:
             return None
         slots = [s.request.lora_slot for s in items]
         ranks = {s.request.lora_slot: s.request.lora.rank for s in items if s.request.lora is not None}
-        return LoRAStep.build(  # type: ignore[arg-type]
-            slots, [s.num_new_tokens for s in items], ranks, self.lora_state.version, self.model.dtype
-        )
+        return LoRAStep.build(slots, [s.num_new_tokens for s in items], ranks, self.lora_state.version)  # type: ignore[arg-type]
 
     def _encoder_forward(
         self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor

@@ -39,6 +39,11 @@ typedef struct {
     const void *d, *m;
     const void *bias; /* NULL or [n] of the activation type */
     int n, k, kind;
+    /* LoRA slots of the projection (lora.c layouts), or NULL: its adapted rows get their
+     * low-rank products right after the base projection, as layers/linear.py adds them. */
+    const float *lora_a, *lora_b;
+    const int32_t *lora_bounds; /* [lora_parts + 1] */
+    int lora_parts, lora_max_rank;
 } qlinear;
 
 typedef struct {
@@ -64,6 +69,8 @@ typedef struct {
     const int32_t *block_tables; /* [num_seqs, max_blocks] */
     const int32_t *row_seq, *row_pos;
     int rows, max_blocks;
+    const int32_t *lora_row_slot; /* [rows] each row's LoRA slot (< 0: none), or NULL: no adapted row */
+    int lora_rank;                /* the largest rank among the step's adapters */
 } step_rows;
 
 #if HAVE_QUANT_MATMUL
@@ -92,6 +99,10 @@ int bf16_matmul_bf16(const uint16_t *, long, int, int, const uint16_t *, int, ui
 int int8_matmul_bf16(const uint16_t *, long, int, int, const int8_t *, const int32_t *, const float *, int,
                      uint16_t *, int);
 int amx_bf16_matmul(const uint16_t *, long, int, int, const uint16_t *, int, uint16_t *, int);
+int lora_add_f32(const float *, long, float *, long, int, int, const float *, const float *, const int32_t *, int,
+                 const int32_t *, int, int, int);
+int lora_add_bf16(const uint16_t *, long, uint16_t *, long, int, int, const float *, const float *,
+                  const int32_t *, int, const int32_t *, int, int, int);
 
 /* The BF16 and I8 kinds exist for bf16 activations only; a float32 step never gets one
  * (native_step.py), and refuses it if it did. */
@@ -112,9 +123,11 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
  * steps (a short prompt prefilled here) go in chunks, as layers/native.py QuantMatmul does. */
 #define QUANT_MAX_ROWS 64
 
-/* y = x W^T (+ b), x [rows, k] with row stride x_stride; y [rows, n]. */
+/* y = x W^T (+ b) (+ the adapted rows' LoRA products), x [rows, k] with row stride x_stride;
+ * y [rows, n]. */
 #define DEFINE_PROJECT(NAME, SUFFIX, T, LOAD, ROUND, STORE)                                       \
-    static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt) {     \
+    static int NAME(const qlinear *lin, const T *x, long x_stride, int rows, T *y, int nt,       \
+                    const step_rows *st) {                                                       \
         int bad = 0;                                                                             \
         if (lin->kind == QLINEAR_BF16 || lin->kind == QLINEAR_I8 || lin->kind == QLINEAR_AMX)    \
             bad = bf16_only_matmul_##SUFFIX(x, x_stride, rows, lin->k, lin, y, nt);              \
@@ -127,12 +140,18 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                 ? q4_matmul_##SUFFIX(xr, x_stride, nr, lin->k, lin->w, lin->d, lin->m, lin->n, yr, nt) \
                 : q8_matmul_##SUFFIX(xr, x_stride, nr, lin->k, lin->w, lin->d, 0, lin->n, yr, nt); \
         }                                                                                        \
-        if (bad || !lin->bias) return bad;                                                       \
-        const T *b = lin->bias;                                                                  \
-        for (int r = 0; r < rows; r++)                                                           \
-            for (int i = 0; i < lin->n; i++)                                                     \
-                STORE(y + (long)r * lin->n, i, ROUND(LOAD(y + (long)r * lin->n, i) + LOAD(b, i))); \
-        return 0;                                                                                \
+        if (bad) return bad;                                                                     \
+        if (lin->bias) {                                                                         \
+            const T *b = lin->bias;                                                              \
+            for (int r = 0; r < rows; r++)                                                       \
+                for (int i = 0; i < lin->n; i++)                                                 \
+                    STORE(y + (long)r * lin->n, i, ROUND(LOAD(y + (long)r * lin->n, i) + LOAD(b, i))); \
+        }                                                                                        \
+        if (lin->lora_a && st->lora_row_slot)                                                    \
+            bad = lora_add_##SUFFIX(x, x_stride, y, lin->n, rows, lin->k, lin->lora_a, lin->lora_b, \
+                                    st->lora_row_slot, lin->lora_parts, lin->lora_bounds,        \
+                                    lin->lora_max_rank, st->lora_rank, nt);                      \
+        return bad;                                                                              \
     }
 
 /* The layer order of fornax/models/llama.py (DecoderLayer.forward): each residual add is
@@ -160,7 +179,7 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                 rms_norm_##SUFFIX(layer_in, hid, residual, hid, residual, ly->input_norm, h, rows, \
                                   hid, md->eps, nt);                                             \
             }                                                                                    \
-            bad |= PROJECT(&ly->qkv, h, hid, rows, qkv, nt);                                     \
+            bad |= PROJECT(&ly->qkv, h, hid, rows, qkv, nt, st);                                     \
             rotary_##SUFFIX(qkv, qkv_w, rows, md->num_heads + md->num_kv_heads, d, cos, sin, nt); \
             if (md->kv_int8) {                                                                   \
                 int8_t *kc = ly->k_cache, *vc = ly->v_cache;                                     \
@@ -188,12 +207,12 @@ static int bf16_only_matmul_bf16(const uint16_t *x, long x_stride, int rows, int
                                                 md->block_size, md->scale, md->window, nt,       \
                                                 md->part_keys);                                  \
             }                                                                                    \
-            bad |= PROJECT(&ly->o, attn, q_size, rows, mlp, nt);                                 \
+            bad |= PROJECT(&ly->o, attn, q_size, rows, mlp, nt, st);                                 \
             rms_norm_##SUFFIX(mlp, hid, residual, hid, residual, ly->post_norm, h, rows, hid,    \
                               md->eps, nt);                                                      \
-            bad |= PROJECT(&ly->gate_up, h, hid, rows, gate_up, nt);                             \
+            bad |= PROJECT(&ly->gate_up, h, hid, rows, gate_up, nt, st);                             \
             silu_mul_##SUFFIX(gate_up, 2L * inter, act, rows, inter, nt);                        \
-            bad |= PROJECT(&ly->down, act, inter, rows, mlp, nt);                                \
+            bad |= PROJECT(&ly->down, act, inter, rows, mlp, nt, st);                                \
             layer_in = mlp;                                                                      \
         }                                                                                        \
         if (!bad)                                                                                \
