@@ -25,17 +25,43 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _servers import MAKE_RUN_FLAGS, Process  # benchmarks/ is on sys.path when run as a script
+if __package__:  # imported as benchmarks.lora (tests/model/test_lora.py writes adapters with it)
+    from benchmarks._servers import MAKE_RUN_FLAGS, Process
+else:  # run as a script: benchmarks/ is on sys.path
+    from _servers import MAKE_RUN_FLAGS, Process
 
 OUTPUT_TOKENS = 128
 ADAPTERS = 4
 
 
-def write_adapters(out: Path, rank: int) -> list[tuple[str, Path]]:
-    """ADAPTERS random PEFT adapters for the default model, every target, written as peft does."""
+def write_random_adapter(out: Path, config: Any, rank: int, seed: int, scale: float = 0.02) -> None:
+    """A random PEFT adapter of `config`'s shapes (a fornax ModelConfig) on every target, written as
+    peft writes one (no peft needed: a GGUF model is nothing peft can wrap)."""
     import torch
     from safetensors.torch import save_file
 
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = scale * torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = scale * torch.randn(fan_out, rank, generator=gen)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    targets = sorted(m.rsplit(".", 1)[1] for m in shapes)
+    config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
+    (out / "adapter_config.json").write_text(json.dumps(config_json))
+
+
+def write_adapters(out: Path, rank: int) -> list[tuple[str, Path]]:
+    """ADAPTERS random adapters of the default model, every target."""
     from fornax.config import DEFAULT_MODEL
     from fornax.models.loader import gguf_model_config, read_gguf
     from fornax.models.registry import resolve_model
@@ -43,28 +69,10 @@ def write_adapters(out: Path, rank: int) -> list[tuple[str, Path]]:
     gguf = resolve_model(DEFAULT_MODEL).gguf_path
     assert gguf is not None
     config = gguf_model_config(read_gguf(gguf).metadata)
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    h, inter = config.hidden_size, config.intermediate_size
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}  # fmt: skip
     made = []
     for n in range(ADAPTERS):
-        gen = torch.Generator().manual_seed(n)
-        tensors = {}
-        for layer in range(config.num_hidden_layers):
-            for module, (fan_in, fan_out) in shapes.items():
-                key = f"base_model.model.model.layers.{layer}.{module}"
-                tensors[f"{key}.lora_A.weight"] = 0.02 * torch.randn(rank, fan_in, generator=gen)
-                tensors[f"{key}.lora_B.weight"] = 0.02 * torch.randn(fan_out, rank, generator=gen)
-        path = out / f"adapter{n}"
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        targets = sorted({m.rsplit(".", 1)[1] for m in shapes})
-        config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
-        (path / "adapter_config.json").write_text(json.dumps(config_json))
-        made.append((f"adapter{n}", path))
+        write_random_adapter(out / f"adapter{n}", config, rank, seed=n)
+        made.append((f"adapter{n}", out / f"adapter{n}"))
     return made
 
 

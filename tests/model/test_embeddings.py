@@ -27,7 +27,7 @@ from fornax.engine.outputs import ModelRunnerOutput
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParamsError
 from fornax.engine.request import Request, RequestRejected
 from fornax.engine.scheduler import Scheduler
-from tests.model.tiny_models import TRAIN_TEXT, build_tiny_model
+from tests.model.tiny_models import TRAIN_TEXT, build_tiny_model, make_wordpiece_files
 
 MINILM = "all-minilm-l6-v2"
 ENGLISH = [
@@ -226,28 +226,6 @@ def test_minilm_refusals(minilm_f32: LLM) -> None:
 # -- a tiny random BERT against transformers --
 
 
-def _wordpiece_files(out: Path) -> None:
-    """A small uncased WordPiece tokenizer (BERT's pipeline), trained here, saved beside the model."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(
-        TRAIN_TEXT * 4, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials)
-    )
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
-    )
-    fast.save_pretrained(str(out))
-
-
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     import transformers
@@ -264,7 +242,7 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
             p.copy_((1.0 if "LayerNorm.weight" in name else 0.0) + 0.1 * torch.randn_like(p))
     model.eval()
     model.save_pretrained(str(out))
-    _wordpiece_files(out)
+    make_wordpiece_files(out)
     return model, out
 
 

@@ -121,7 +121,8 @@ def test_greedy_matches_peft_unmerged_and_merged(tiny, name):
     _arch, hf, root, llm = tiny
     peft_model = _peft_model(hf, root / name)
     unmerged = [_greedy(peft_model, p) for p in PROMPTS]
-    merged = [_greedy(peft_model.merge_and_unload(), p) for p in PROMPTS]  # base weights + B A
+    merged_model = peft_model.merge_and_unload()  # the base weights + B A, one model
+    merged = [_greedy(merged_model, p) for p in PROMPTS]
     outs = llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest(name))
     ours = [o.outputs[0].token_ids for o in outs]
     assert ours == unmerged
@@ -258,38 +259,16 @@ def test_the_native_kernel_adds_what_the_torch_path_adds(dtype):
             assert torch.equal(got[base_rows], y[base_rows])
 
 
-def _random_adapter(out, config, rank: int, seed: int) -> None:
-    """A PEFT-format adapter of `config`'s shapes on every target, without peft (the real model
-    is a GGUF that peft cannot wrap)."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    h, inter = config.hidden_size, config.intermediate_size
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module, (fan_in, fan_out) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = 0.05 * torch.randn(rank, fan_in, generator=gen)
-            tensors[f"{key}.lora_B.weight"] = 0.05 * torch.randn(fan_out, rank, generator=gen)
-    out.mkdir()
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    targets = [m.rsplit(".", 1)[1] for m in shapes]
-    (out / "adapter_config.json").write_text(
-        json.dumps({"r": rank, "lora_alpha": rank, "target_modules": targets})
-    )
-
-
 @pytest.mark.slow
 def test_adapted_steps_in_the_one_call_step_give_the_op_by_op_bits(default_gguf, tmp_path):
     """make run's forms on the real model: steps with adapted rows run in the one-call native
     step (its projections carry the slots) and give, to the bit, what the Python layers give."""
+    from benchmarks.lora import write_random_adapter
     from fornax.models.loader import gguf_model_config, read_gguf
 
     config = gguf_model_config(read_gguf(default_gguf).metadata)
     for n in range(2):
-        _random_adapter(tmp_path / f"a{n}", config, rank=8, seed=n)
+        write_random_adapter(tmp_path / f"a{n}", config, rank=8, seed=n, scale=0.05)
     llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", kv_cache_memory="128MiB",
               lora=[f"a{n}={tmp_path / f'a{n}'}" for n in range(2)], max_lora_rank=8, progress=False)  # fmt: skip
     runner = llm.engine.runner
