@@ -180,7 +180,8 @@ class EngineCore:
         if len(children) > 1:
             self.held[children[0].request_id] = children[1:]
         if self.event_tap is not None and self.events.active:
-            self._to_tap(self.event_tap.on_add, request_id, prompt_token_ids, params)
+            adapter = children[0].lora.name if children[0].lora is not None else None
+            self._to_tap(self.event_tap.on_add, request_id, prompt_token_ids, params, adapter)
 
     def _sampling_children(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                            priority: int, cache_salt: str | None) -> list[Request]:  # fmt: skip

@@ -63,12 +63,16 @@ class EventTap:
             self._last_token.clear()
 
     # -- hooks called by EngineCore --
-    def on_add(self, core: EngineView, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def on_add(self, core: EngineView, request_id: str, prompt: list[int], params: SamplingParams,
+               adapter: str | None = None) -> None:  # fmt: skip
+        """adapter: the LoRA adapter it runs with (docs/lora.md), shown by the request view."""
         self._sync()
         stats = core.stats()
         data = {"num_prompt_tokens": len(prompt), "n": params.n, "max_tokens": params.max_tokens,
                 "position": stats.num_waiting - 1, "num_waiting": stats.num_waiting,
                 "num_running": stats.num_running}  # fmt: skip
+        if adapter is not None:
+            data["adapter"] = adapter
         self.bus.publish([Event("queued", request_id, time.time(), data)])
 
     def on_schedule(self, core: EngineView, sched: SchedulerOutput) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import json
+import threading
 
 import httpx
 import openai
@@ -77,6 +78,33 @@ def test_adapters_answer_as_peft_and_are_listed_with_their_base(setup):
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert 'fornax:lora_requests_total{adapter="alpha",model_name="tiny"}' in metrics
     assert 'fornax:lora_adapter_loads_total{adapter="beta",model_name="tiny"} 1.0' in metrics
+
+
+def test_the_event_stream_names_a_requests_adapter(setup):
+    """The visualizer's request view shows the adapter from the `queued` event (server/ui/app.js)."""
+    server, client, _hf, _root = setup
+    events: list[dict] = []
+    opened = threading.Event()
+
+    def watch() -> None:
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        with httpx.stream("GET", server.url + "/v1/fornax/events", headers=headers, timeout=60) as r:
+            for line in r.iter_lines():
+                opened.set()
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                    if sum(e["type"] == "finished" for e in events) >= 2:
+                        return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert opened.wait(30)
+    adapted = client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)
+    base = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    watcher.join(timeout=60)
+    queued = {e["request_id"]: e for e in events if e["type"] == "queued"}
+    assert queued[adapted.id]["adapter"] == "beta"
+    assert "adapter" not in queued[base.id]
 
 
 def test_load_and_unload_at_run_time_need_an_admin_key(setup):

@@ -344,7 +344,8 @@ class Run {
 
   on_queued(e) {
     this.promptLen = e.num_prompt_tokens;
-    $("queue-pos").textContent = "#" + (e.position + 1) + " of " + e.num_waiting + " waiting (" + e.num_running + " running)";
+    $("queue-pos").textContent = "#" + (e.position + 1) + " of " + e.num_waiting + " waiting (" + e.num_running + " running)"
+      + (e.adapter ? " · LoRA adapter " + e.adapter : "");
   }
 
   on_scheduled(e) {
