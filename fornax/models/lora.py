@@ -176,7 +176,11 @@ def read_adapter(
     an existing layer with the shapes the model's projections have, both matrices present,
     ranks as configured, every target the config names present in every layer."""
     directory = Path(path)
-    if not directory.is_dir():
+    try:
+        is_dir = directory.is_dir()
+    except (OSError, ValueError) as exc:  # a path no file system takes (a NUL byte, too long)
+        raise AdapterError(f"{str(directory)[:200]!r}: not a usable path ({exc})") from None
+    if not is_dir:
         raise AdapterError(f"{directory}: not a directory")
     peft_config = _read_config(directory)
     rank, scaling = _check_config(peft_config, str(directory / CONFIG_FILE), max_rank)

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from fornax.server.anthropic_protocol import MessagesCountTokensRequest, MessagesRequest
 from fornax.server.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
+from fornax.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from fornax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +38,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/embeddings": EmbeddingRequest,
     "/v1/rerank": RerankRequest,
     "/v1/score": ScoreRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 _REF = "#/components/schemas/{model}"
 # One working body per route: documentation for a reader, and the explicit case that a
@@ -56,6 +59,8 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"input": ["What is LLM inference?", "Serving a model's weights."]},
     "/v1/rerank": {"query": "What is LLM inference?", "documents": ["Serving weights.", "A recipe."]},
     "/v1/score": {"text_1": "What is LLM inference?", "text_2": ["Serving weights.", "A recipe."]},
+    "/v1/load_lora_adapter": {"lora_name": "sql", "lora_path": "/adapters/sql"},
+    "/v1/unload_lora_adapter": {"lora_name": "sql"},
 }
 PUBLIC_PATHS = frozenset({"/health"})
 

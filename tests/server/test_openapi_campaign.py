@@ -15,6 +15,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
+from fornax.server.auth import ADMIN_PATHS
+
 pytestmark = pytest.mark.slow
 KEYS = {"admin": "sk-campaign-admin", "user": "sk-campaign-user", "none": None}
 MAX_EXAMPLES = 40
@@ -22,10 +24,11 @@ MAX_EXAMPLES = 40
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    # Small bounds so that generated requests stay cheap: a short context, 4 tokens at most.
+    # Small bounds so that generated requests stay cheap: a short context, 4 tokens at most; LoRA
+    # slots, so that generated adapter loads reach the loader's checks.
     return make_server(["--api-key", f"user:{KEYS['user']}", "--admin-key", f"ops:{KEYS['admin']}",
                         "--max-model-len", "128", "--max-tokens-limit", "4", "--max-n", "2", "--max-prompts", "4",
-                        "--no-access-log"], api_key=KEYS["admin"])  # fmt: skip
+                        "--no-access-log", "--enable-lora"], api_key=KEYS["admin"])  # fmt: skip
 
 
 def _openapi_document() -> dict:
@@ -79,7 +82,7 @@ def test_generated_requests_never_get_a_5xx(server, path: str, method: str) -> N
                 assert_envelope(response, where, path)
             if key is None and path not in ("/health", "/openapi.json"):
                 assert response.status_code == 401, where
-            if role == "user" and path.startswith("/admin/"):
+            if role == "user" and (path.startswith("/admin/") or path in ADMIN_PATHS):
                 assert response.status_code == 403, where
 
     campaign()
