@@ -1,22 +1,25 @@
-"""LoRA slots on a Linear, and the batched low-rank product of one step (docs/lora.md).
+"""LoRA slots on a Linear, and the low-rank products of one step (docs/lora.md).
 
 A Linear of the base model may carry `LoRASlots`: the A and B matrices of up to `max_loras`
 adapters, each in a slot, sized once for the largest rank allowed (zeros where an adapter is
 smaller or does not target this projection). A step's rows may belong to different adapters
-or to none. Rather than a loop over requests or adapters, each adapted Linear runs one
-gathered shrink and one expand, as Punica's segmented kernels do on a GPU:
+or to none; the products are added on top of whatever form the base step ran (dense,
+int4/int8, w8a8), the base weights never merged or copied. The scaling (lora_alpha / r, or
+/ sqrt(r) for rsLoRA) is folded into B when an adapter is written into a slot, as vLLM does.
+Two ways to compute them, neither a loop over requests or adapters in Python:
 
-    u = x @ A_active^T              [T, S*P*R]  every row against every adapter of the step
-    u *= row_mask                   zero where the row is not that adapter's (skipped when
-                                    every row has the same adapter)
-    y += u @ B_active               [T, out]    B block-diagonal over the fused parts (q/k/v)
+- the native kernel (kernels/lora.c, where the library builds): one call per projection that
+  computes each adapted row's B_p (A_p x) of its own adapter straight from the slots, as
+  Punica's SGMV kernels do on a GPU; the one-call decode step calls it too;
+- torch (no native kernels): one gathered shrink and one expand over the step's adapters,
 
-S, the adapters in the step, is small (the slots), so computing each row against all of
-them costs S times the rank, and keeps the whole product two dense matmuls: at decode, where
-a step is a few rows, the count of calls matters more than their arithmetic. The base weights
-are never merged or copied: the product is added on top of whatever form the base step ran
-(dense, int4/int8, w8a8). The scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) is folded
-into B when an adapter is written into a slot, as vLLM does.
+      u = x @ A_active^T        [T, S*P*R]  every row against every adapter of the step
+      u *= row_mask             zero where the row is not that adapter's (skipped when
+                                every row has the same adapter)
+      y += u @ B_active         [T, out]    B block-diagonal over the fused parts (q/k/v)
+
+  S times the arithmetic each row needs (S, the step's adapters, is at most the slots), but
+  two dense matmuls whatever the mix.
 
 The products run in float32 whatever the model's dtype: on a CPU without native bf16 (AVX2),
 torch's bf16 matmul is ~30x slower than its float32 one at these shapes (16 rows x 576 x 192:
