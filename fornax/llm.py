@@ -13,7 +13,7 @@ from fornax.engine.lora import LoRARequest
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import SamplingParams
-from fornax.engine.scoring import check_cross_encoder, cosine, pair_up
+from fornax.engine.scoring import check_cross_encoder, cosine, pair_up, paired
 from fornax.engine_args import EngineArgs
 from fornax.request_output import (
     CompletionOutput,
@@ -194,10 +194,11 @@ class LLM:
             outs = self.embed([*first, *second], truncate_prompt_tokens=truncate_prompt_tokens)
             left, right = outs[: len(first)], outs[len(first) :]
             return [
-                ScoringRequestOutput(a, b, cosine(left[0 if len(left) == 1 else i].embedding, right[i].embedding),
-                                     left[0 if len(left) == 1 else i].num_prompt_tokens + right[i].num_prompt_tokens)
-                for i, (a, b) in enumerate(pairs)
-            ]  # fmt: skip
+                ScoringRequestOutput(
+                    a, b, cosine(x.embedding, y.embedding), x.num_prompt_tokens + y.num_prompt_tokens
+                )
+                for (a, b), (x, y) in zip(pairs, paired(left, right))
+            ]
         check_cross_encoder(config)
         k = truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or k < 1):

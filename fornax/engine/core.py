@@ -22,6 +22,7 @@ from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
 from fornax.engine.executor import Executor, LocalExecutor, make_executor
+from fornax.engine.lora.serving import EngineLoRA, resolve_adapter
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, pooling_request
@@ -38,9 +39,8 @@ from fornax.models import DTYPES, LoadedModel
 from fornax.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from fornax.engine.kv.offload.tiered import OffloadStats
     from fornax.engine.lora import LoRARequest
-from fornax.engine.kv.offload.tiered import OffloadStats
-from fornax.engine.lora.serving import EngineLoRA, resolve_adapter
 
 logger = logging.getLogger("fornax.engine")
 
@@ -82,6 +82,12 @@ class EngineCore:
         self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
+        # LoRA adapters (engine/lora/): slots on the model's projections, a registry by name. Before
+        # the runner, so that its one-call step's descriptors point at the slots (models/native_step.py).
+        native = config.kernel_backend == "native"
+        self.lora = (
+            EngineLoRA(config.lora, loaded.model, loaded.config, native) if config.lora is not None else None
+        )
         self.runner = ModelRunner(
             loaded.model,
             loaded.local_config or loaded.config,
@@ -94,13 +100,8 @@ class EngineCore:
             executor=executor,
         )
         self.kernels = self.runner.kernels  # what runs here, in one line (layers/kernel_plan.py)
-        # LoRA adapters (engine/lora/): slots on the model's projections, a registry by name.
-        native = config.kernel_backend == "native"
-        self.lora = (
-            EngineLoRA(config.lora, loaded.model, loaded.config, native) if config.lora is not None else None
-        )
         if self.lora is not None:
-            self.runner.attach_lora(self.lora.state)
+            self.runner.lora_state = self.lora.state
         logger.info("%s", self.kernels)
         connector = None
         if config.offload.enabled:  # KV tiers: the scheduler plans the copies, the runner makes them
@@ -170,8 +171,9 @@ class EngineCore:
                                   "pooling requests (LLM.embed, /v1/embeddings), not generation")  # fmt: skip
         else:
             children = self._sampling_children(request_id, prompt_token_ids, params, priority, cache_salt)
-        for child in children:  # the adapter's slot is taken at admission (scheduler)
-            child.lora = resolve_adapter(self.lora, lora)
+        adapter = resolve_adapter(self.lora, lora)  # its slot is taken at admission (scheduler)
+        for child in children:
+            child.lora = adapter
         self.scheduler.add_request(children[0])  # validates length; raises before any state changes
         self.children[request_id] = [c.request_id for c in children]
         for index, child in enumerate(children):
@@ -180,8 +182,9 @@ class EngineCore:
         if len(children) > 1:
             self.held[children[0].request_id] = children[1:]
         if self.event_tap is not None and self.events.active:
-            adapter = children[0].lora.name if children[0].lora is not None else None
-            self._to_tap(self.event_tap.on_add, request_id, prompt_token_ids, params, adapter)
+            self._to_tap(
+                self.event_tap.on_add, request_id, prompt_token_ids, params, adapter and adapter.name
+            )
 
     def _sampling_children(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                            priority: int, cache_salt: str | None) -> list[Request]:  # fmt: skip

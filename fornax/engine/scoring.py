@@ -16,8 +16,11 @@ torch: the vectors are short lists, compared once per request.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 from fornax.config import ModelConfig
+
+T = TypeVar("T")
 
 
 class ScoringError(ValueError):
@@ -35,7 +38,13 @@ def pair_up(first: list[str], second: list[str]) -> list[tuple[str, str]]:
     if len(first) != 1 and len(first) != len(second):
         raise ScoringError("text_1", f"'text_1' holds {len(first)} texts and 'text_2' {len(second)}: give one "
                            "text_1, or as many as text_2 (scored pairwise)")  # fmt: skip
-    return [(first[0] if len(first) == 1 else first[i], b) for i, b in enumerate(second)]
+    return paired(first, second)
+
+
+def paired(firsts: list[T], seconds: list[T]) -> list[tuple[T, T]]:
+    """The pairing rule applied to whatever stands for each text (the text, its vector, its
+    output), in pair_up's order: the one first with each second, or pairwise."""
+    return [(firsts[0] if len(firsts) == 1 else firsts[i], b) for i, b in enumerate(seconds)]
 
 
 def check_cross_encoder(model: ModelConfig) -> None:

@@ -129,9 +129,6 @@ class LoRASlots:
         self.b[slot].zero_()
         self._gathered = None
 
-    def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
-
     def _weights(self, step: LoRAStep) -> tuple[torch.Tensor, torch.Tensor]:
         """A of the step's adapters as one [in, S*P*R] matrix, B as one [S*P*R, out] matrix,
         block-diagonal over the parts: gathered once per distinct set of adapters, not per call

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from fornax.config import ModelConfig
 from fornax.layers.linear import Linear
@@ -188,9 +188,9 @@ def read_adapter(
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         raise AdapterError(f"{directory}: no {WEIGHTS_FILE}")
-    data = weights_path.read_bytes()
     try:
-        tensors = load_file(weights_path)
+        data = weights_path.read_bytes()  # read once: parsed here, and digested for the cache key
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"{weights_path}: not a readable safetensors file ({exc})") from None
 

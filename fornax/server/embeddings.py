@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fornax.engine.async_engine import AsyncEngine
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParams, PoolingParamsError
-from fornax.engine.scoring import ScoringError, check_cross_encoder, cosine, pair_up
+from fornax.engine.scoring import ScoringError, check_cross_encoder, cosine, pair_up, paired
 from fornax.server.errors import bad_request
 from fornax.server.generation import Generation
 from fornax.server.limits import check_prompts, check_text_fits, check_token_count, check_token_ids
@@ -139,8 +139,7 @@ async def _scores(
     left = firsts if firsts is not None else [pairs[0][0]]
     gen = await _embed(request, state, engine, req, [*left, *(b for _, b in pairs)], param, PoolingParams())
     vectors = [c.embedding or [] for c in gen.choices]
-    heads, tails = vectors[: len(left)], vectors[len(left) :]
-    return [cosine(heads[0 if len(heads) == 1 else i], v) for i, v in enumerate(tails)], gen
+    return [cosine(a, b) for a, b in paired(vectors[: len(left)], vectors[len(left) :])], gen
 
 
 async def _cross_encode(

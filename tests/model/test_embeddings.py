@@ -27,7 +27,7 @@ from fornax.engine.outputs import ModelRunnerOutput
 from fornax.engine.pooling import POOLING_SAMPLING, PoolingParamsError
 from fornax.engine.request import Request, RequestRejected
 from fornax.engine.scheduler import Scheduler
-from tests.model.tiny_models import TRAIN_TEXT, build_tiny_model, make_wordpiece_files
+from tests.model.tiny_models import TRAIN_TEXT, build_tiny_bert, build_tiny_model
 
 MINILM = "all-minilm-l6-v2"
 ENGLISH = [
@@ -228,22 +228,8 @@ def test_minilm_refusals(minilm_f32: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    import transformers
-
     out = tmp_path_factory.mktemp("bert")
-    config = transformers.BertConfig(
-        vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "LayerNorm.weight" in name else 0.0) + 0.1 * torch.randn_like(p))
-    model.eval()
-    model.save_pretrained(str(out))
-    make_wordpiece_files(out)
-    return model, out
+    return build_tiny_bert(out), out
 
 
 def test_tiny_bert_matches_transformers(tiny_bert: tuple[Any, Path]) -> None:

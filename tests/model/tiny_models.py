@@ -138,17 +138,22 @@ def make_wordpiece_files(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_tiny_cross_encoder(out: Path, seed: int = 0) -> torch.nn.Module:
-    """A tiny random BertForSequenceClassification (one label: a cross-encoder), saved with its
-    WordPiece tokenizer; returns the fp32 HF model."""
+def build_tiny_bert(out: Path, seed: int = 0, cross_encoder: bool = False) -> torch.nn.Module:
+    """A tiny random BERT saved with its WordPiece tokenizer: a BertModel without pooler (an
+    embedder), or with `cross_encoder` a BertForSequenceClassification of one label; returns the
+    fp32 HF model. LayerNorm weights near 1, everything else near 0."""
     import transformers
 
+    labels = {"num_labels": 1} if cross_encoder else {}
     config = transformers.BertConfig(
         vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu", num_labels=1,
+        max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu", **labels,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = transformers.BertForSequenceClassification(config)
+    if cross_encoder:
+        model = transformers.BertForSequenceClassification(config)
+    else:
+        model = transformers.BertModel(config, add_pooling_layer=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((1.0 if "LayerNorm.weight" in name else 0.0) + 0.1 * torch.randn_like(p))
@@ -156,3 +161,9 @@ def build_tiny_cross_encoder(out: Path, seed: int = 0) -> torch.nn.Module:
     model.save_pretrained(str(out))
     make_wordpiece_files(out)
     return model
+
+
+def build_tiny_cross_encoder(out: Path, seed: int = 0) -> torch.nn.Module:
+    """A tiny random BertForSequenceClassification (one label: a cross-encoder), saved with its
+    WordPiece tokenizer; returns the fp32 HF model."""
+    return build_tiny_bert(out, seed, cross_encoder=True)

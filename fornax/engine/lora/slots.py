@@ -41,8 +41,6 @@ class LoRARegistry:
 
     def __init__(self) -> None:
         self._by_name: dict[str, LoRAAdapter] = {}
-        self.loads_total = 0
-        self.unloads_total = 0
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -54,13 +52,11 @@ class LoRARegistry:
         if adapter.name in self._by_name:
             raise RequestRejected(f"an adapter named {adapter.name!r} is already loaded; unload it first")
         self._by_name[adapter.name] = adapter
-        self.loads_total += 1
 
     def remove(self, name: str) -> LoRAAdapter:
         adapter = self._by_name.pop(name, None)
         if adapter is None:
             raise KeyError(name)
-        self.unloads_total += 1
         return adapter
 
 
@@ -100,6 +96,3 @@ class LoRASlotTable:
         """The slot writes decided since the last call, for the runner to make before its step."""
         writes, self._writes = self._writes, []
         return writes
-
-    def resident(self) -> list[str]:
-        return [a.name for a in self.occupant if a is not None]

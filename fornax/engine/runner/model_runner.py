@@ -87,15 +87,8 @@ class ModelRunner:
         # pooling requests' running sums live as long as the request; a cross-encoder's head
         # scores its requests (pooler.py)
         self.pooler = Pooler(getattr(model, "classify", None) if config.pooling.cross_encoder else None)
-        # LoRA slots on the model's projections (models/lora.py attach_slots): set by attach_lora.
+        # LoRA slots on the model's projections (models/lora.py attach_slots): set by the engine.
         self.lora_state: LoRAStepState | None = None
-
-    def attach_lora(self, state: LoRAStepState) -> None:
-        """The model's projections have LoRA slots now: the one-call step is described again,
-        so that its descriptors point at them too (adapted steps then run in it)."""
-        self.lora_state = state
-        if self.native_step is not None:
-            self.native_step = NativeStep.build(self.model, self.kv_cache)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
