@@ -213,6 +213,10 @@ def install_gathers(model: nn.Module, config: ModelConfig, world: int, all_gathe
 # How long a rank waits for rank 0's next message: an idle engine sends none, so this is no
 # failure bound (a rank that dies closes its connections, which every wait sees at once).
 IDLE_WAIT = timedelta(days=365)
+# How long the ranks may take to meet at start-up: a spawned worker imports torch and fornax
+# first, which took over 3 s on 2 busy cores, so the (often seconds-long) step timeout cannot
+# bound it. Rank 0 sees a local worker that dies before joining at once (engine/tensor_parallel.py).
+JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 def connect_gloo_groups(
@@ -221,13 +225,13 @@ def connect_gloo_groups(
     """Two gloo groups of their own over the same ranks, met at `init_method` (tcp://host:port;
     rank 0 listens there), not torch.distributed's default group (several engines may live in
     one process): one for a step's collectives, each of which gives up after `timeout_s`
-    seconds, and one that only carries rank 0's next-message header, on which the workers wait
-    as long as the engine stays idle."""
+    seconds (the meeting itself is bounded by JOIN_TIMEOUT), and one that only carries rank
+    0's next-message header, on which the workers wait as long as the engine stays idle."""
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"distributed init must be tcp://host:port, got {init_method!r}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, timeout)
+    store = dist.TCPStore(url.hostname, url.port, world, rank == 0, max(timeout, JOIN_TIMEOUT))
     # each group keeps its (prefixed view of the) store alive
     steps = dist.ProcessGroupGloo(dist.PrefixStore("steps", store), rank, world, timeout)
     waiting = dist.ProcessGroupGloo(dist.PrefixStore("waiting", store), rank, world, IDLE_WAIT)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -256,4 +258,14 @@ def serve(config: ServerConfig, models: EngineConfig | Sequence[ServedModelConfi
 
     app.state.on_fatal = fatal
     server.run()
-    return int(app.state.exit_code)
+    code = int(app.state.exit_code)
+    if code:
+        # The engine died; its requests are answered and uvicorn has stopped. Leave at once:
+        # a tensor-parallel engine whose worker was killed left gloo's threads in a state
+        # that, once in a loaded run, aborted the interpreter's teardown (status -6, not 1),
+        # and a supervisor must see this status to start a fresh process.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
