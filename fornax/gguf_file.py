@@ -4,7 +4,8 @@ Why not `gguf.GGUFReader`: it builds a numpy memmap view for every array element
 for a tokenizer's ~100k vocab and merge strings costs about 2 s before any weight is
 read, almost half of our 5 s load budget. The container itself is simple (header,
 key/values, tensor table, aligned data), so we parse it with `struct` and keep using the
-`gguf` package for what it does well: the type constants and the dequantizers. Values come
+`gguf` package for what it does well: the type constants (and its dequantizers as the
+reference that layers/dequantize.py matches). Values come
 out exactly as `GGUFReader.fields[k].contents()` gives them (Python scalars, lists), since
 both the loader and the tokenizer read this one parse. Files are little-endian, except the
 rare big-endian ones llama.cpp writes for s390x, which it flags by nothing but their byte order.
@@ -206,7 +207,7 @@ class GGUFFile:
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             code = "f4" if qtype == GGMLQuantizationType.F32 else "f2"
             raw = raw.view(np.dtype(self.byte_order + code)).reshape(shape)
-        else:  # quantized/bf16: rows of packed blocks, as gguf.quants.dequantize expects
+        else:  # quantized/bf16: rows of packed blocks, as the dequantizers expect
             raw = raw.reshape(*shape[:-1], shape[-1] // block_elems * block_bytes)
         return GGUFTensor(name=name, shape=shape, qtype=qtype, data=raw)
 

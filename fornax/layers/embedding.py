@@ -9,7 +9,7 @@ actually seen become resident, and those are file pages the kernel can drop and 
 Each row is converted exactly as the loader converts the whole table (the file's values to
 float32, then to the model's dtype), so the result is bit for bit what the dense table gave
 (tests/model/test_memory.py). Q8_0, F16, BF16 and F32 rows are converted with torch
-ops (tens of microseconds per step); other types through the `gguf` package's dequantizers.
+ops (tens of microseconds per step); other types through layers/dequantize.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
+
+from fornax.layers.dequantize import dequantize
 
 Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
 
@@ -32,7 +34,7 @@ class FileEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.qtype, self.hidden, self.dtype = qtype, hidden, dtype
-        self._numpy_rows = rows  # for the gguf dequantizers (types without a torch path)
+        self._numpy_rows = rows  # for layers/dequantize.py (types without a torch path here)
         with warnings.catch_warnings():  # the map is read-only, and nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
             self.raw = torch.from_numpy(rows.view(np.uint8).reshape(rows.shape[0], -1))
@@ -56,8 +58,5 @@ class FileEmbedding(nn.Module):
         elif kind == "BF16":
             out = rows.view(torch.bfloat16).float()
         else:
-            from gguf.quants import dequantize
-
-            picked = self._numpy_rows[input_ids.reshape(-1).numpy()]
-            out = torch.from_numpy(np.ascontiguousarray(dequantize(picked, self.qtype), dtype=np.float32))
+            out = dequantize(self._numpy_rows[input_ids.reshape(-1).numpy()], self.qtype, torch.float32)
         return out.to(self.dtype).view(*input_ids.shape, self.hidden)

@@ -145,7 +145,7 @@ class BertModel(LinearForms):
         self.token_type_embeddings.weight.copy_(tensors["embeddings.token_type_embeddings.weight"])
         _copy_norm(self.embed_norm, tensors, "embeddings.LayerNorm.")
         for linear, names in self.linear_sources():
-            linear.weight.copy_(torch.cat([tensors[n] for n in names], dim=0))
+            torch.cat([tensors[n] for n in names], dim=0, out=linear.weight)  # one pass, no temporary
             assert linear.bias is not None
             linear.bias.copy_(torch.cat([tensors[n.removesuffix("weight") + "bias"] for n in names]))
         for i, layer in enumerate(self.layers):

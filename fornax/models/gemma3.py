@@ -165,7 +165,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.embed_tokens.weight
             sources = sources[1:]
         for linear, names in sources:
-            linear.weight.copy_(torch.cat([tensors[n] for n in names], dim=0))
+            torch.cat([tensors[n] for n in names], dim=0, out=linear.weight)  # one pass, no temporary
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             for name, norm in layer.norms().items():

@@ -165,7 +165,7 @@ class LlamaForCausalLM(LinearForms):
             self.lm_head.weight = self.embed_tokens.weight
             sources = sources[1:]  # linear_sources() lists the head first
         for linear, names in sources:
-            linear.weight.copy_(torch.cat([tensors[n] for n in names], dim=0))
+            torch.cat([tensors[n] for n in names], dim=0, out=linear.weight)  # one pass, no temporary
             if linear.bias is not None:  # Qwen2's QKV bias
                 linear.bias.copy_(torch.cat([tensors[n.removesuffix("weight") + "bias"] for n in names]))
         for i, layer in enumerate(self.layers):

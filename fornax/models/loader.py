@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -24,10 +24,12 @@ from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig
 from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
+from fornax.layers.dequantize import dequantize
 from fornax.models.sharding import Cut, take_cut
 
 # Given a model's config, the part of each tensor to read (models/sharding.py shard_cuts).
 CutsFor = Callable[[ModelConfig], Mapping[str, Cut]]
+ArrayOrTensor = TypeVar("ArrayOrTensor", np.ndarray, torch.Tensor)
 
 # GGUF architecture name -> (HF architecture, permuted Q/K, QKV bias, per-head Q/K norm)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
@@ -251,8 +253,9 @@ def _gemma3_gguf_config(
     }
 
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's Q/K permutation: per head, interleaved pairs -> two halves."""
+def _unpermute_rows(w: ArrayOrTensor, n_heads: int) -> ArrayOrTensor:
+    """Inverse of llama.cpp's Q/K permutation: per head, interleaved pairs -> two halves (a
+    numpy array or a torch tensor, as given)."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -375,8 +378,6 @@ def _weights_from_gguf(
     keep_int4_blocks: bool,
     cuts_for: CutsFor | None,
 ) -> LoadedWeights:
-    from gguf.quants import dequantize
-
     if gguf_file.byte_order != "<":  # the dequantizers read block scales as little-endian
         raise ModelLoadError("a big-endian GGUF; only little-endian files can be loaded")
     metadata = gguf_file.metadata
@@ -398,23 +399,25 @@ def _weights_from_gguf(
     )
     for t in bar:
         if t.name == "rope_freqs.weight":
-            freq_factors = torch.tensor(np.asarray(dequantize(t.data, t.qtype), dtype=np.float32))
+            freq_factors = dequantize(t.data, t.qtype, torch.float32)
             continue
         hf_name = _gguf_to_hf_name(t.name, arch)
         assert hf_name is not None  # _check_gguf_shapes refused any other name
         raw, cut_after = read_cut(t, cuts.get(hf_name))
-        array = dequantize(raw, t.qtype)  # numpy, HF (row-major) shape
+        # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w (subtracted in float32)
+        plus_one = arch == "gemma3" and hf_name.endswith("norm.weight")
+        tensor = dequantize(raw, t.qtype, torch.float32 if plus_one else dtype)  # HF (row-major) shape
         if cut_after is not None:
-            array = take_cut(array, cut_after)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            array = array - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w
+            tensor = take_cut(tensor, cut_after)
+        if plus_one:
+            tensor = (tensor - 1.0).to(dtype)
         if hf_name == "model.embed_tokens.weight":
             embedding_rows = t
         heads = None  # per head, so a rank's whole heads unpermute alone
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = array.shape[0] // config.head_dim
+            heads = tensor.shape[0] // config.head_dim
         if heads is not None:
-            array = _unpermute_rows(array, heads)
+            tensor = _unpermute_rows(tensor, heads)
         if t.type_name in _FILE_QUANTIZATION:
             file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
         if keep_int4_blocks and t.type_name in _INT4_BLOCK_TYPES and len(t.shape) == 2:
@@ -425,9 +428,7 @@ def _weights_from_gguf(
                 parts = tuple(_unpermute_rows(x, heads) for x in parts)
             q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)
             int4_blocks[hf_name] = Int4Blocks(q=q, scale=scale, zero=zero)
-        if not array.flags.writeable:  # F32/F16 tensors are read-only views of the file map
-            array = array.copy()
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
+        tensors[hf_name] = tensor.contiguous()
     tied = "lm_head.weight" not in tensors
     scaling = config.rope_scaling
     if freq_factors is not None:  # Llama 3.x: llama.cpp stores the per-frequency divisors

@@ -218,3 +218,55 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path):
         assert "Traceback" not in proc.stderr
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("fornax: error:"), proc.stderr
+
+
+# -- the torch dequantizers (layers/dequantize.py) against the gguf package's --
+
+# Byte offsets of each block's float16 scales (the rest of a block is any bytes at all).
+_SCALE_BYTES = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
+                Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.BF16: []}  # fmt: skip
+
+
+def _random_blocks(qtype: Q, rows: int, blocks_per_row: int, rng: np.random.Generator) -> np.ndarray:
+    """Random packed rows whose float16 scales are finite (normal, subnormal and zero ones)."""
+    _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, blocks_per_row * block_bytes), dtype=np.uint8)
+    blocks = data.reshape(-1, block_bytes)
+    for start in _SCALE_BYTES[qtype]:
+        scales = rng.standard_normal(len(blocks)) * rng.choice([1e-6, 1e-3, 1.0, 100.0], len(blocks))
+        scales[:: max(1, len(blocks) // 3)] = 0.0
+        blocks[:, start : start + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return data
+
+
+@pytest.mark.parametrize("qtype", list(_SCALE_BYTES), ids=lambda q: q.name)
+def test_torch_dequantizers_equal_the_gguf_packages_bit_for_bit(qtype, monkeypatch):
+    from gguf.quants import dequantize as reference
+
+    from fornax.layers import dequantize as deq
+
+    monkeypatch.setattr(deq, "SLICE_VALUES", 1000)  # several slices per tensor, and a last short one
+    data = _random_blocks(qtype, rows=13, blocks_per_row=3, rng=np.random.default_rng(int(qtype)))
+    want = torch.from_numpy(np.ascontiguousarray(reference(data, qtype), dtype=np.float32))
+    got = deq.dequantize(data, qtype, torch.float32)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(deq.dequantize(data, qtype, torch.bfloat16), want.to(torch.bfloat16))
+    one_row = deq.dequantize(data[3], qtype, torch.float32)  # a 1-D tensor keeps its shape
+    assert torch.equal(one_row, want[3])
+
+
+def test_dequantize_takes_float_tensors_and_other_types_through_the_reference():
+    from gguf.quants import dequantize as reference
+    from gguf.quants import quantize
+
+    from fornax.layers.dequantize import BLOCK_DEQUANTIZERS, dequantize
+
+    values = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    assert torch.equal(dequantize(values, Q.F32, torch.float32), torch.from_numpy(values))
+    half = values.astype(np.float16)
+    assert torch.equal(dequantize(half, Q.F16, torch.bfloat16), torch.from_numpy(half).float().bfloat16())
+    assert Q.TQ1_0 not in BLOCK_DEQUANTIZERS  # no torch form: the reference runs
+    packed = quantize(values, Q.TQ1_0)
+    assert torch.equal(
+        dequantize(packed, Q.TQ1_0, torch.float32), torch.from_numpy(reference(packed, Q.TQ1_0))
+    )
