@@ -213,6 +213,17 @@ def plan_linear(shape: LinearShape, kernels: Kernels, request: FormRequest) -> L
         elif rows > small_rows:
             mid, mid_rows = BF16, rows
 
+    if max_rows > 0 and large is None and f32:
+        # Dense float32 layers take the native loop for every row count: 2.0-2.5x torch's
+        # float32 linear (MKL) at 1-4 rows, even at 128, 0.83x at 512 (docs/kernels.md). One
+        # form for all rows keeps a float32 model's results independent of what shares a step
+        # (MKL's and the loop's sums differ in their last bits, which int8 K/V turned into
+        # logprob gaps of 0.04 between a request alone and among 32).
+        if small is None:
+            small, small_rows = F32, ONE_FORM_ROWS
+        else:
+            mid, mid_rows = F32, ONE_FORM_ROWS
+
     if request.lm_head_int4 and shape.is_lm_head:
         if integer:
             small, small_rows, from_file = INT4, LM_HEAD_INT4_MAX_ROWS, False
@@ -231,7 +242,7 @@ def plan_linear(shape: LinearShape, kernels: Kernels, request: FormRequest) -> L
             small, small_rows, from_file = AMX_BF16, ONE_FORM_ROWS, False
         elif small == BF16:
             small_rows = ONE_FORM_ROWS
-        elif small is None and f32:
+        elif small in (None, F32) and f32:
             small, small_rows = F32, ONE_FORM_ROWS
         elif small is None and bf16:
             small, small_rows = BF16, ONE_FORM_ROWS

@@ -77,15 +77,26 @@ def test_where_torch_would_emulate_bf16_the_native_kernel_takes_every_row_count(
     assert forms(plan) == ["int4"] * 3 + ["bf16"] * 3 and plan.mid_max_rows == ONE_FORM_ROWS
     # even with no small-step forms asked for (small_max_rows 0)
     assert forms(plan_linear(FLOAT_LAYER, AVX2, FormRequest())) == ["bf16"] * 6
-    # int8 x int8 still takes the large steps where asked; float32 layers keep torch's float32
+    # int8 x int8 still takes the large steps where asked
     assert forms(plan_linear(FLOAT_LAYER, AVX2, FormRequest(None, 12, "w8a8", 1))) == ["int8 x int8"] * 6
-    f32 = LinearShape(2048, torch.float32)
-    assert forms(plan_linear(f32, AVX2, FormRequest(None, 12))) == ["f32 (torch)"] * 6
 
 
-def test_float32_layers_and_odd_widths_keep_torchs_linear():
+@pytest.mark.parametrize("kernels", [NATIVE, AVX2], ids=["avx512", "avx2"])
+def test_float32_layers_take_the_native_loop_for_every_row_count(kernels):
     f32 = LinearShape(2048, torch.float32)
-    assert forms(plan_linear(f32, NATIVE, FormRequest(None, 12, "w8a8", 1))) == ["f32 (torch)"] * 6
+    plan = plan_linear(f32, kernels, FormRequest(None, 12))
+    assert forms(plan) == ["f32"] * 6 and plan.keep_dense and plan.small_max_rows == ONE_FORM_ROWS
+    # past a quantized small form, every row count above it
+    plan = plan_linear(f32, kernels, FormRequest("int4", 12))
+    assert forms(plan) == ["int4"] * 3 + ["f32"] * 3 and plan.mid_max_rows == ONE_FORM_ROWS
+    # none asked for (no small-step forms at all), or no native float32 kernel: torch's linear
+    assert forms(plan_linear(f32, kernels, FormRequest())) == ["f32 (torch)"] * 6
+    assert forms(plan_linear(f32, TORCH, FormRequest(None, 12))) == ["f32 (torch)"] * 6
+
+
+def test_odd_widths_keep_torchs_linear():
+    f32 = LinearShape(40, torch.float32)  # not a multiple of the float32 loop's 16 lanes
+    assert forms(plan_linear(f32, NATIVE, FormRequest(None, 12))) == ["f32 (torch)"] * 6
     odd = LinearShape(40, torch.bfloat16)  # not a multiple of the 32-value blocks
     plan = plan_linear(odd, NATIVE, FormRequest("int4", 12, "w8a8", 1))
     assert forms(plan) == ["int4 (torch)"] * 3 + ["bf16 (torch)"] * 3

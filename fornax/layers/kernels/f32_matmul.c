@@ -1,12 +1,13 @@
-/* Dense float32 matmul, y[T, N] = x[T, K] W^T, for deterministic mode's float32 models
- * (layers/linear.py DenseF32, docs/deterministic.md).
+/* Dense float32 matmul, y[T, N] = x[T, K] W^T, for float32 models' steps of any size
+ * (layers/linear.py DenseF32, docs/kernels.md, docs/deterministic.md).
  *
  * Why this exists: torch's float32 linear (MKL / oneDNN) picks its blocking, and so the order
  * of each output's additions, by the shape of the call and the thread count, so a row's result
  * depends on how many rows came with it. Here every output is one chain of fused multiply-adds
  * over 16 lanes in K order, reduced by the same transposing reduction whatever tile it is in:
- * the tiles of bf16_matmul.c with float32 arithmetic. Not a speed path (float32 is the
- * reference dtype on this CPU). K must be a multiple of 16.
+ * the tiles of bf16_matmul.c with float32 arithmetic. It reads the weights 2x faster than
+ * torch's at one row and falls to ~0.83x of it at 512 (docs/kernels.md). K must be a multiple
+ * of 16.
  */
 #include <stdint.h>
 #include <string.h>
