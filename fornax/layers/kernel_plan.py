@@ -221,7 +221,7 @@ def plan_linear(shape: LinearShape, kernels: Kernels, request: FormRequest) -> L
         # logprob gaps of 0.04 between a request alone and among 32).
         if small is None:
             small, small_rows = F32, ONE_FORM_ROWS
-        else:
+        elif small_rows < ONE_FORM_ROWS:
             mid, mid_rows = F32, ONE_FORM_ROWS
 
     if request.lm_head_int4 and shape.is_lm_head:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from fornax.layers.kernel_plan import DENSE_BF16_MAX_ROWS, ONE_FORM_ROWS, FormRequest, Kernels, plan_linear
-from fornax.layers.linear import DenseBf16, Linear
-from fornax.layers.native import load_bf16_matmul
+from fornax.layers.linear import DenseBf16, DenseF32, Linear
+from fornax.layers.native import load_bf16_matmul, load_f32_matmul
 
 KERNEL = load_bf16_matmul()
 pytestmark = pytest.mark.skipif(
@@ -64,7 +64,7 @@ def test_rejects_what_it_cannot_read():
         KERNEL(torch.randn(2, 48).bfloat16(), torch.randn(8, 48).bfloat16())  # width not a multiple of 32
 
 
-def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
+def test_linear_uses_it_for_small_steps_only_and_the_float32_loop_for_float32():
     lin = Linear(64, 40, bias=True, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     lin.weight.data.copy_(torch.randn(40, 64, generator=gen))
@@ -83,7 +83,8 @@ def test_linear_uses_it_for_small_steps_only_and_never_for_float32():
     assert plan.form_for(65) == ("bf16 (torch)" if native_bf16_torch else "bf16")
     fp32 = Linear(64, 40, bias=False, dtype=torch.float32)
     fp32.configure(FormRequest(small_max_rows=4))
-    assert fp32.small is None  # float32 models keep torch's linear: HF parity is checked there
+    # float32 layers: the float32 loop (kernels/f32_matmul.c) at every row count, where it builds
+    assert fp32.small is None if load_f32_matmul() is None else isinstance(fp32.small, DenseF32)
     torch_backend = Linear(64, 40, bias=False, dtype=torch.bfloat16)
     torch_backend.configure(FormRequest(small_max_rows=4), backend="torch")
     assert torch_backend.small is None
