@@ -105,6 +105,8 @@ def weight_tensors(model: nn.Module, prefix: str = "weights") -> list[tuple[str,
                 if name is None:  # DenseBf16 reads the Linear's own weight; None: no form
                     continue
                 out += [(f"{prefix}: {name}", v) for v in vars(form).values() if isinstance(v, torch.Tensor)]
+            if module.lora is not None:  # --max-loras slots of --max-lora-rank, float32 (layers/lora.py)
+                out += [(f"{prefix}: LoRA adapter slots", t) for t in (module.lora.a, module.lora.b)]
         elif isinstance(module, FileEmbedding):
             continue  # file pages: counted from the mapping's own resident set (memory_report)
         elif isinstance(module, nn.Embedding):
@@ -147,6 +149,8 @@ def _by_owner(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[tup
     return owners
 
 
+# Owners whose tensors torch took from malloc, which its in-use count includes too.
+MALLOC_OWNERS = ("rotary tables", "weights: LoRA adapter slots")
 ARENA_STATS_TIMEOUT_S = 2.0
 _ARENAS = re.compile(rb"^(\d+) arenas \* (\d+) bytes/arena", re.M)
 
@@ -193,11 +197,11 @@ def memory_report(
     lines.append(MemoryLine("tokenizer", tokenizer_bytes))
     stats = malloc_stats()
     if stats is not None:
-        # The rotary tables come from malloc and are counted above already. (Where transparent
-        # huge pages are off, hugepages.pack leaves the weights in malloc too, and they are then
-        # counted twice: not handled.)
-        rotary = sum(size for _, size in owners.get("rotary tables", []))
-        in_use = max(0, stats.in_use - tokenizer_bytes - rotary)
+        # The rotary tables and the LoRA slots come from malloc and are counted above already.
+        # (Where transparent huge pages are off, hugepages.pack leaves the weights in malloc
+        # too, and they are then counted twice: not handled.)
+        claimed = sum(size for owner in MALLOC_OWNERS for _, size in owners.get(owner, []))
+        in_use = max(0, stats.in_use - tokenizer_bytes - claimed)
         owner = "malloc in use: step tensors, oneDNN scratch, Python's large objects"
         lines.append(MemoryLine(owner, in_use))
     arenas = python_object_arenas()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import mmap
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fornax import LLM, LoRARequest, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.linear import Linear
 from fornax.layers.lora import LoRAStep
 from fornax.models.base import KVCache
 from fornax.models.lora import write_slot
@@ -155,6 +157,20 @@ def test_a_mixed_batch_gives_each_request_its_own_tokens(tiny):
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_usage == 0.0
     assert sum(llm.engine.lora.slots.pins) == 0
+
+
+def test_the_memory_report_counts_the_adapter_slots(tiny):
+    """`fornax memory` and the engine's report name the slots as an owner of their own, no more
+    than their float32 size in whole pages (pages never written stay out of the resident set)."""
+    _arch, _hf, _root, llm = tiny
+    llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest(next(iter(ADAPTERS))))  # a slot written
+    slots = [
+        m.lora for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.lora is not None
+    ]
+    tensors = [t for s in slots for t in (s.a, s.b)]
+    pages = sum(-(-t.numel() * t.element_size() // mmap.PAGESIZE) + 1 for t in tensors)  # +1: any start
+    owners = llm.engine.memory_report().as_dict()["owners"]
+    assert 0 < owners["weights: LoRA adapter slots"] <= pages * mmap.PAGESIZE
 
 
 def test_a_prefix_cached_under_one_adapter_is_no_hit_for_another(tiny):
