@@ -63,7 +63,9 @@ def _attrs(page, selector: str, expr: str) -> list:
 
 
 def _background_request(server, i: int) -> None:
-    body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    # Long enough to be still running when the page's own request is scheduled, on a loaded
+    # machine too (48 tokens were done before Play's request arrived while a compiler ran).
+    body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=120, json=body)
 
 
