@@ -54,8 +54,9 @@ class ServerProcess:
     """Any HTTP server child (`cmd`, already given its loopback `port`), its output in a log file
     that stays open until `stop()`."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.port, self.log_path = name, port, log_path
         self.url = f"http://127.0.0.1:{port}"
         with contextlib.ExitStack() as files:  # pop_all() hands the log over once the child runs
@@ -70,8 +71,9 @@ class ServerProcess:
         except httpx.TransportError:
             return None
 
-    def wait_ready(self, ready: Callable[[httpx.Response], bool] = _healthy,
-                   timeout_s: float = READY_TIMEOUT_S) -> list[int | None]:  # fmt: skip
+    def wait_ready(
+        self, ready: Callable[[httpx.Response], bool] = _healthy, timeout_s: float = READY_TIMEOUT_S
+    ) -> list[int | None]:
         """Poll GET /health until `ready(response)` holds; the statuses seen on the way (None:
         nothing answered yet)."""
         seen: list[int | None] = []
@@ -111,8 +113,15 @@ class FornaxProcess(ServerProcess):
     given one: a restart where the last one listened). `bootstrap`: Python run in the child
     before the CLI (the tests' fault injection)."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 port: int | None = None, bootstrap: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        bootstrap: str | None = None,
+    ) -> None:
         port = port or free_port()
         entry = ["-m", "fornax.cli"] if bootstrap is None else ["-c", f"{bootstrap}\n{_RUN_CLI}"]
         self.args = args

@@ -40,20 +40,37 @@ def _call_of(cls: type) -> tuple[str, str, int]:
 # (part, [(file suffix, function name[, first line])], use cumulative time?)
 PARTS = [
     ("native step", [_call_of(DecodeStepKernel)], False),
-    ("matmuls", [("~", "<built-in method torch._C._nn.linear>"),
-                 ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
-                 ("~", "<built-in method torch._weight_int8pack_mm>"), _call_of(QuantMatmul),
-                 _call_of(Bf16Matmul), _call_of(Int8Matmul)], False),
-    ("attention", [_call_of(PagedAttentionKernel),
-                   ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")], False),
-    ("fused ops", [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"),
-                   ("layers/native.py", "silu_mul")], True),
+    (
+        "matmuls",
+        [
+            ("~", "<built-in method torch._C._nn.linear>"),
+            ("~", "<built-in method torch._weight_int4pack_mm_for_cpu>"),
+            ("~", "<built-in method torch._weight_int8pack_mm>"),
+            _call_of(QuantMatmul),
+            _call_of(Bf16Matmul),
+            _call_of(Int8Matmul),
+        ],
+        False,
+    ),
+    (
+        "attention",
+        [_call_of(PagedAttentionKernel), ("~", "<method 'index_copy_' of 'torch._C.TensorBase' objects>")],
+        False,
+    ),
+    (
+        "fused ops",
+        [("layers/native.py", "rms_norm"), ("layers/native.py", "rotary_"), ("layers/native.py", "silu_mul")],
+        True,
+    ),
     ("sampling", [("sample/sampler.py", "__call__")], True),
     ("scheduler", [("engine/scheduler.py", "schedule"), ("engine/scheduler.py", "update_from_output")], True),
     ("detokenize", [("engine/core.py", "_detokenize"), ("engine/core.py", "_output")], True),
-    ("step metadata", [("layers/attention.py", "build_attention_metadata"),
-                       ("runner/model_runner.py", "_flatten_tokens")], True),
-]  # fmt: skip
+    (
+        "step metadata",
+        [("layers/attention.py", "build_attention_metadata"), ("runner/model_runner.py", "_flatten_tokens")],
+        True,
+    ),
+]
 
 
 def main() -> None:
@@ -94,8 +111,10 @@ def main() -> None:
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
 
-    print(f"batch {args.batch}, weights {args.quantization}: {step_ms:.2f} ms per decode step "
-          f"({args.batch / step_ms * 1e3:.1f} tok/s); under cProfile {profiled / args.steps * 1e3:.2f} ms")  # fmt: skip
+    print(
+        f"batch {args.batch}, weights {args.quantization}: {step_ms:.2f} ms per decode step "
+        f"({args.batch / step_ms * 1e3:.1f} tok/s); under cProfile {profiled / args.steps * 1e3:.2f} ms"
+    )
     accounted = 0.0
     for part, funcs, cumulative in PARTS:
         total = 0.0

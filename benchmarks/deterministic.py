@@ -38,14 +38,36 @@ def _serve_and_bench(flags: list[str], streams: int, log_dir: Path) -> float:
         out = log_dir / "bench.json"
         subprocess.run(
             [
-                sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
-                "--dataset", "random", "--random-input-len", "128", "--random-output-len", "128",
-                "--num-prompts", str(2 * streams), "--num-warmups", "2", "--max-concurrency", str(streams),
-                "--seed", "0", "--no-progress", "--json", str(out),
+                sys.executable,
+                "-m",
+                "fornax.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--api-key",
+                KEY,
+                "--dataset",
+                "random",
+                "--random-input-len",
+                "128",
+                "--random-output-len",
+                "128",
+                "--num-prompts",
+                str(2 * streams),
+                "--num-warmups",
+                "2",
+                "--max-concurrency",
+                str(streams),
+                "--seed",
+                "0",
+                "--no-progress",
+                "--json",
+                str(out),
             ],
             check=True,
             capture_output=True,  # its progress lines; its summary is read from the JSON
-        )  # fmt: skip
+        )
         summary = json.loads(out.read_text())["summary"]
         if summary.get("failed"):
             raise RuntimeError(f"{summary['failed']} requests failed")

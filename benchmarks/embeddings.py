@@ -35,8 +35,10 @@ from _servers import Process, ServerProcess, free_port  # benchmarks/ is on sys.
 
 MODEL = "all-minilm-l6-v2"
 CACHE_ROOT = Path.home() / ".cache" / "fornax-bench"
-WORDS = ("inference serving batch token cache prompt decode model weights kernel memory thread "
-         "request latency throughput vector search document query answer").split()  # fmt: skip
+WORDS = (
+    "inference serving batch token cache prompt decode model weights kernel memory thread "
+    "request latency throughput vector search document query answer"
+).split()
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:
@@ -93,8 +95,9 @@ def in_process(
     return _rounds(contenders, texts, sizes, rounds)
 
 
-def _rounds(contenders: dict[str, Callable[[list[str]], Any]], texts: list[str], sizes: list[int],
-            rounds: int) -> dict[str, dict[int, list[dict]]]:  # fmt: skip
+def _rounds(
+    contenders: dict[str, Callable[[list[str]], Any]], texts: list[str], sizes: list[int], rounds: int
+) -> dict[str, dict[int, list[dict]]]:
     results: dict[str, dict[int, list[dict]]] = {name: {s: [] for s in sizes} for name in contenders}
     names = list(contenders)
     for r in range(rounds):
@@ -114,24 +117,67 @@ def llama_gguf(llama: dict[str, Any], out: Path) -> Path:
         return gguf
     src = Path(llama["src_dir"])
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir()), "--outtype", "f32",
-           "--outfile", str(gguf)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(src / "convert_hf_to_gguf.py"),
+        str(model_dir()),
+        "--outtype",
+        "f32",
+        "--outfile",
+        str(gguf),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"converting to GGUF failed:\n{done.stderr[-2000:]}")
     return gguf
 
 
-def servers(texts: list[str], sizes: list[int], rounds: int, threads: int, llama_cache: Path,
-            log_dir: Path) -> dict[str, dict[int, list[dict]]]:  # fmt: skip
+def servers(
+    texts: list[str], sizes: list[int], rounds: int, threads: int, llama_cache: Path, log_dir: Path
+) -> dict[str, dict[int, list[dict]]]:
     llama = json.loads((llama_cache / "build-info.json").read_text())
     gguf = llama_gguf(llama, llama_cache.parent)
-    fornax = Process("fornax", ["serve", "--model", MODEL, "--dtype", "float32", "--num-threads", str(threads),
-                                "--no-access-log", "--log-level", "warning"], log_dir)  # fmt: skip
+    fornax = Process(
+        "fornax",
+        [
+            "serve",
+            "--model",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--num-threads",
+            str(threads),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        log_dir,
+    )
     port = free_port()
-    cmd = [str(Path(llama["bin_dir"]) / "llama-server"), "-m", str(gguf), "--embedding", "--pooling", "mean",
-           "-t", str(threads), "-tb", str(threads), "-c", "8192", "-b", "8192", "-ub", "8192", "-np", "1",
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    cmd = [
+        str(Path(llama["bin_dir"]) / "llama-server"),
+        "-m",
+        str(gguf),
+        "--embedding",
+        "--pooling",
+        "mean",
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        "8192",
+        "-b",
+        "8192",
+        "-ub",
+        "8192",
+        "-np",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     llama_server = ServerProcess("llama-server", cmd, port, log_dir / "llama-server.log")
     try:
         fornax.wait_ready()
@@ -146,8 +192,9 @@ def servers(texts: list[str], sizes: list[int], rounds: int, threads: int, llama
 
             return embed
 
-        return _rounds({"fornax serve": post(fornax.url), "llama-server": post(llama_server.url)}, texts, sizes,
-                       rounds)  # fmt: skip
+        return _rounds(
+            {"fornax serve": post(fornax.url), "llama-server": post(llama_server.url)}, texts, sizes, rounds
+        )
     finally:
         fornax.stop()
         llama_server.stop()
@@ -173,13 +220,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--llama-server", action="store_true", help="also fornax serve vs llama-server")
-    p.add_argument("--llama-cache", type=Path, default=CACHE_ROOT / "llama.cpp-0.3.36-avx2",
-                   help="a llama.cpp build of benchmarks/vs_llama_cpp.py (its build-info.json)")  # fmt: skip
+    p.add_argument(
+        "--llama-cache",
+        type=Path,
+        default=CACHE_ROOT / "llama.cpp-0.3.36-avx2",
+        help="a llama.cpp build of benchmarks/vs_llama_cpp.py (its build-info.json)",
+    )
     args = p.parse_args()
     texts = make_texts(args.texts)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    print(f"{args.texts} texts, batches of {sizes}, {args.rounds} rounds, {args.threads} threads, "
-          f"{time.strftime('%Y-%m-%d %H:%M')} UTC", flush=True)  # fmt: skip
+    print(
+        f"{args.texts} texts, batches of {sizes}, {args.rounds} rounds, {args.threads} threads, "
+        f"{time.strftime('%Y-%m-%d %H:%M')} UTC",
+        flush=True,
+    )
     print(table(in_process(texts, sizes, args.rounds, args.threads)), flush=True)
     if args.llama_server:
         with tempfile.TemporaryDirectory(prefix="fornax-embed-") as tmp:

@@ -85,8 +85,10 @@ def idle_check_s(llm: LLM) -> float:
     """Seconds per step of the idle bus: the guard EngineCore.step evaluates, twice a step."""
     core = llm.engine
     n = 1_000_000
-    per_check = timeit.timeit("core.event_tap is not None and core.events.active", globals={"core": core},
-                              number=n) / n  # fmt: skip
+    per_check = (
+        timeit.timeit("core.event_tap is not None and core.events.active", globals={"core": core}, number=n)
+        / n
+    )
     return 2 * per_check
 
 
@@ -103,8 +105,9 @@ def median_step_s(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     return statistics.median(times)
 
 
-def run_once(llm: LLM, mode: str, prompts: list[list[int]], params: SamplingParams,
-             tap: object) -> tuple[float, int]:  # fmt: skip
+def run_once(
+    llm: LLM, mode: str, prompts: list[list[int]], params: SamplingParams, tap: object
+) -> tuple[float, int]:
     """Output tokens/s of one pass over the workload in `mode`, and the events published."""
     core = llm.engine
     core.event_tap = None if mode == "absent" else tap
@@ -142,8 +145,10 @@ def main() -> None:
     llm = LLM(args.model, enable_prefix_caching=False, progress=False)
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(48, 129))]
-               for _ in range(args.num_prompts)]  # fmt: skip
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(rng.randrange(48, 129))]
+        for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     tap = TimedTap(llm.engine.events, llm.engine.cache_config.block_size)
     llm.engine.event_tap = tap
@@ -168,24 +173,30 @@ def main() -> None:
 
     base = statistics.median(results["absent"])
     report = {
-        "rounds": args.rounds, "num_prompts": args.num_prompts, "output_len": args.output_len,
+        "rounds": args.rounds,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
         "median_tokens_per_s": {m: statistics.median(results[m]) for m in MODES},
         "ratio_to_absent": {m: statistics.median(results[m]) / base for m in MODES},
         # Paired: each round's ratio to that round's `absent`, then the median. Rounds drift
         # together, so this cancels much of the machine's slow drift the plain medians keep.
-        "paired_ratio_to_absent": {m: statistics.median(x / a for x, a in zip(results[m], results["absent"]))
-                                   for m in MODES},
+        "paired_ratio_to_absent": {
+            m: statistics.median(x / a for x, a in zip(results[m], results["absent"])) for m in MODES
+        },
         "events_per_pass": {m: events[m] // args.rounds for m in MODES},
-        "median_step_s": step_s, "idle_check_per_step_s": check_s,
+        "median_step_s": step_s,
+        "idle_check_per_step_s": check_s,
         "idle_check_fraction_of_step": check_s / step_s,
         "watched_tap_fraction_of_time": TimedTap.spent_s / watched_s if watched_s else 0.0,
         "samples": results,
-    }  # fmt: skip
+    }
     print(f"\n{'mode':8} {'median tok/s':>12} {'vs absent':>10} {'paired':>8} {'events/pass':>12}")
     for m in MODES:
         ratio, paired = report["ratio_to_absent"][m], report["paired_ratio_to_absent"][m]
-        print(f"{m:8} {report['median_tokens_per_s'][m]:12.1f} {ratio:10.3f} {paired:8.3f} "
-              f"{report['events_per_pass'][m]:12d}")  # fmt: skip
+        print(
+            f"{m:8} {report['median_tokens_per_s'][m]:12.1f} {ratio:10.3f} {paired:8.3f} "
+            f"{report['events_per_pass'][m]:12d}"
+        )
     idle_cost = 1.0 - report["paired_ratio_to_absent"]["idle"]
     print(
         f"\nend to end, idle bus vs absent (paired median): {100 * idle_cost:+.2f}% throughput cost "

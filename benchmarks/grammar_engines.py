@@ -176,8 +176,11 @@ def summarize(runs: list[list[Walk]]) -> dict[str, Any]:
     compile_ms = {}
     for attr in ("construct_s", "first_mask_s", "total_s"):
         values = per_schema(attr)
-        compile_ms[attr[:-2]] = {"median": statistics.median(values) * 1e3, "max": max(values) * 1e3,
-                                 "per_schema": [v * 1e3 for v in values]}  # fmt: skip
+        compile_ms[attr[:-2]] = {
+            "median": statistics.median(values) * 1e3,
+            "max": max(values) * 1e3,
+            "per_schema": [v * 1e3 for v in values],
+        }
 
     def masks(w: Walk) -> list[float]:
         return w.masks_s
@@ -190,24 +193,34 @@ def summarize(runs: list[list[Walk]]) -> dict[str, Any]:
         samples = [x for run in runs for walk in run for x in pick(walk)]
         run_means = [statistics.fmean([x for walk in run for x in pick(walk)]) for run in runs]
         per_token_us[label] = {
-            "median": statistics.median(samples) * 1e6, "p90": percentile(samples, 0.9) * 1e6,
-            "mean": statistics.median(run_means) * 1e6, "samples": len(samples),
-        }  # fmt: skip
-    mean_mask_us = [statistics.median(statistics.fmean(run[s].masks_s) for run in runs) * 1e6
-                    for s in range(n_schemas)]  # fmt: skip
+            "median": statistics.median(samples) * 1e6,
+            "p90": percentile(samples, 0.9) * 1e6,
+            "mean": statistics.median(run_means) * 1e6,
+            "samples": len(samples),
+        }
+    mean_mask_us = [
+        statistics.median(statistics.fmean(run[s].masks_s) for run in runs) * 1e6 for s in range(n_schemas)
+    ]
     # A whole request's grammar work: compile, first mask, then every later mask and accept.
-    request = [statistics.median(run[s].total_s + sum(steps(run[s])) for run in runs)
-               for s in range(n_schemas)]  # fmt: skip
+    request = [
+        statistics.median(run[s].total_s + sum(steps(run[s])) for run in runs) for s in range(n_schemas)
+    ]
     return {
-        "compile_ms": compile_ms, "per_token_us": per_token_us, "per_schema_mean_mask_us": mean_mask_us,
-        "request_ms": {"median": statistics.median(request) * 1e3, "max": max(request) * 1e3,
-                       "per_schema": [v * 1e3 for v in request]},
-    }  # fmt: skip
+        "compile_ms": compile_ms,
+        "per_token_us": per_token_us,
+        "per_schema_mean_mask_us": mean_mask_us,
+        "request_ms": {
+            "median": statistics.median(request) * 1e3,
+            "max": max(request) * 1e3,
+            "per_schema": [v * 1e3 for v in request],
+        },
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs over the corpus (default 5)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name of the model")
     parser.add_argument("--gguf", type=Path, help="a GGUF file to take the tokenizer from instead")
@@ -247,17 +260,33 @@ def main() -> int:
     summary = {name: summarize(engine_runs) for name, engine_runs in runs.items()}
     report(args, vocab, setup, summary, versions, walks_tokens)
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": args.model, "gguf": str(args.gguf), "vocab_size": vocab.size,
-            "repeats": args.repeats, "versions": versions, "setup_ms": {k: v * 1e3 for k, v in setup.items()},
-            "schemas": [name for name, _, _ in SCHEMAS], "tokens_per_walk": [len(t) for t in walks_tokens],
-            "summary": summary,
-        }, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "gguf": str(args.gguf),
+                    "vocab_size": vocab.size,
+                    "repeats": args.repeats,
+                    "versions": versions,
+                    "setup_ms": {k: v * 1e3 for k, v in setup.items()},
+                    "schemas": [name for name, _, _ in SCHEMAS],
+                    "tokens_per_walk": [len(t) for t in walks_tokens],
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
-def report(args: argparse.Namespace, vocab: Vocab, setup: dict[str, float], summary: dict[str, Any],
-           versions: dict[str, str], walks_tokens: list[list[int]]) -> None:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    vocab: Vocab,
+    setup: dict[str, float],
+    summary: dict[str, Any],
+    versions: dict[str, str],
+    walks_tokens: list[list[int]],
+) -> None:
     tokens = sum(len(t) for t in walks_tokens)
     print(f"grammar engines: xgrammar {versions['xgrammar']} vs llguidance {versions['llguidance']}")
     print(

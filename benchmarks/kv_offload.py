@@ -41,8 +41,17 @@ from _servers import Process  # benchmarks/ is on sys.path when run as a script
 
 from fornax.config import DEFAULT_MODEL
 
-SERVER_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--max-model-len", "4096",
-                "--no-access-log", "--log-level", "warning"]  # fmt: skip
+SERVER_FLAGS = [
+    "--quantization",
+    "auto",
+    "--large-step-quantization",
+    "w8a8",
+    "--max-model-len",
+    "4096",
+    "--no-access-log",
+    "--log-level",
+    "warning",
+]
 TIER_FLAGS = ["--kv-offload-memory", "4GiB"]
 TTFT_GOAL, RESTART_GOAL, THROUGHPUT_GOAL = 0.2, 0.3, 0.97
 DOC_TOKENS = 2000
@@ -56,8 +65,15 @@ def token_ids(rng: random.Random, n: int) -> list[int]:
 
 def ttft_ms(url: str, model: str, prompt: list[int], max_tokens: int = 8) -> tuple[float, int]:
     """Streamed /v1/completions: ms to the first token's chunk, and the usage's cached tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start, first, cached = time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600.0) as r:
         r.raise_for_status()
@@ -75,14 +91,16 @@ def ttft_ms(url: str, model: str, prompt: list[int], max_tokens: int = 8) -> tup
 
 
 def serve(args: argparse.Namespace, log_dir: Path, extra: list[str], num_blocks: int) -> Process:
-    server = Process("serve", ["serve", args.model, *SERVER_FLAGS, "--num-blocks", str(num_blocks), *extra],
-                     log_dir)  # fmt: skip
+    server = Process(
+        "serve", ["serve", args.model, *SERVER_FLAGS, "--num-blocks", str(num_blocks), *extra], log_dir
+    )
     server.wait_ready(lambda r: r.status_code == 200)
     return server
 
 
-def shared_document(args: argparse.Namespace, log_dir: Path, extra: list[str], rng: random.Random,
-                    doc: list[int]) -> dict[str, Any]:  # fmt: skip
+def shared_document(
+    args: argparse.Namespace, log_dir: Path, extra: list[str], rng: random.Random, doc: list[int]
+) -> dict[str, Any]:
     """Questions about `doc`, each after an unrelated request that evicts it."""
     server = serve(args, log_dir, extra, args.num_blocks)
     try:
@@ -95,14 +113,22 @@ def shared_document(args: argparse.Namespace, log_dir: Path, extra: list[str], r
         metrics = httpx.get(server.url + "/metrics", timeout=10.0).text
     finally:
         server.stop()
-    hits = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-            if line.startswith("fornax:kv_offload_hit_tokens_total")}  # fmt: skip
-    return {"ttft_ms": ttfts, "ttft_p50_ms": statistics.median(ttfts), "cached_tokens": cached,
-            "offload_hits": hits}  # fmt: skip
+    hits = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("fornax:kv_offload_hit_tokens_total")
+    }
+    return {
+        "ttft_ms": ttfts,
+        "ttft_p50_ms": statistics.median(ttfts),
+        "cached_tokens": cached,
+        "offload_hits": hits,
+    }
 
 
-def after_restart(args: argparse.Namespace, log_dir: Path, extra: list[str], rng: random.Random,
-                  doc: list[int]) -> dict[str, Any]:  # fmt: skip
+def after_restart(
+    args: argparse.Namespace, log_dir: Path, extra: list[str], rng: random.Random, doc: list[int]
+) -> dict[str, Any]:
     ttfts, cached = [], []
     for _ in range(args.restarts):
         server = serve(args, log_dir, extra, args.num_blocks)
@@ -120,10 +146,34 @@ def no_reuse(args: argparse.Namespace, log_dir: Path, extra: list[str], seed: in
     server = serve(args, log_dir, extra, 1400)
     out = log_dir / f"bench-{seed}-{len(extra)}-{time.monotonic_ns()}.json"
     try:
-        cmd = [sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", server.url, "--model", args.model,
-               "--endpoint", "completions", "--dataset", "random", "--random-input-len", "512",
-               "--random-output-len", "64", "--num-prompts", str(args.requests), "--max-concurrency", "32",
-               "--seed", str(seed), "--no-progress", "--json", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "fornax.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--model",
+            args.model,
+            "--endpoint",
+            "completions",
+            "--dataset",
+            "random",
+            "--random-input-len",
+            "512",
+            "--random-output-len",
+            "64",
+            "--num-prompts",
+            str(args.requests),
+            "--max-concurrency",
+            "32",
+            "--seed",
+            str(seed),
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -151,15 +201,23 @@ def main() -> int:
         doc = token_ids(random.Random(7), DOC_TOKENS)
         for arm, extra in (("cold", []), ("tiers", tiers)):
             result[arm] = shared_document(args, log_dir, extra, random.Random(11), doc)
-            print(f"{arm}: TTFT p50 {result[arm]['ttft_p50_ms']:.0f} ms, cached {result[arm]['cached_tokens']}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{arm}: TTFT p50 {result[arm]['ttft_p50_ms']:.0f} ms, cached {result[arm]['cached_tokens']}",
+                flush=True,
+            )
         result["restart"] = after_restart(args, log_dir, tiers, random.Random(13), doc)
-        print(f"restart: TTFT p50 {result['restart']['ttft_p50_ms']:.0f} ms, cached "
-              f"{result['restart']['cached_tokens']}", flush=True)  # fmt: skip
+        print(
+            f"restart: TTFT p50 {result['restart']['ttft_p50_ms']:.0f} ms, cached "
+            f"{result['restart']['cached_tokens']}",
+            flush=True,
+        )
         throughput: dict[str, list[float]] = {"without": [], "host": [], "host+disk": []}
         for round_no in range(args.rounds):
-            arms = [("without", []), ("host", TIER_FLAGS),
-                    ("host+disk", [*TIER_FLAGS, "--kv-offload-dir", str(Path(tmp) / f"nr{round_no}")])]  # fmt: skip
+            arms = [
+                ("without", []),
+                ("host", TIER_FLAGS),
+                ("host+disk", [*TIER_FLAGS, "--kv-offload-dir", str(Path(tmp) / f"nr{round_no}")]),
+            ]
             for name, extra in arms if round_no % 2 == 0 else arms[::-1]:
                 throughput[name].append(no_reuse(args, log_dir, extra, seed=100 + round_no))
                 print(f"no reuse, {name} tiers: {throughput[name][-1]:.1f} output tok/s", flush=True)
@@ -175,9 +233,12 @@ def main() -> int:
         ),
     }
     result["ratios"] = ratios
-    goals = {"ttft_tiers_vs_cold": ("<=", TTFT_GOAL), "ttft_restart_vs_cold": ("<=", RESTART_GOAL),
-             "throughput_host_vs_without": (">=", THROUGHPUT_GOAL),
-             "throughput_host_disk_vs_without": (">=", THROUGHPUT_GOAL)}  # fmt: skip
+    goals = {
+        "ttft_tiers_vs_cold": ("<=", TTFT_GOAL),
+        "ttft_restart_vs_cold": ("<=", RESTART_GOAL),
+        "throughput_host_vs_without": (">=", THROUGHPUT_GOAL),
+        "throughput_host_disk_vs_without": (">=", THROUGHPUT_GOAL),
+    }
     for key, value in ratios.items():
         op, goal = goals[key]
         met = value <= goal if op == "<=" else value >= goal

@@ -56,8 +56,10 @@ def main() -> None:
         theirs.append(timed(HF, path))
         print(f"run {i + 1}: fornax {ours[-1]:.2f} s   transformers {theirs[-1]:.2f} s", flush=True)
     a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"median load (model + tokenizer, from the cached GGUF, imports included): "
-          f"fornax {a:.2f} s, transformers {b:.2f} s, ratio {b / a:.1f}x")  # fmt: skip
+    print(
+        f"median load (model + tokenizer, from the cached GGUF, imports included): "
+        f"fornax {a:.2f} s, transformers {b:.2f} s, ratio {b / a:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,15 @@ def write_random_adapter(out: Path, config: Any, rank: int, seed: int, scale: fl
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     h, inter = config.hidden_size, config.intermediate_size
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}  # fmt: skip
+    shapes = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, inter),
+        "mlp.up_proj": (h, inter),
+        "mlp.down_proj": (inter, h),
+    }
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
@@ -159,8 +165,10 @@ def main() -> int:
         finally:
             for server, _ in servers.values():
                 server.stop()
-    print(f"\n{cpu_model()}; rank {args.rank}, {ADAPTERS} adapters, medians of "
-          f"{args.rounds} rounds (output tok/s)")  # fmt: skip
+    print(
+        f"\n{cpu_model()}; rank {args.rank}, {ADAPTERS} adapters, medians of "
+        f"{args.rounds} rounds (output tok/s)"
+    )
     for streams in stream_counts:
         base = statistics.median(figures["base"][streams])
         mixed = statistics.median(figures["adapters"][streams])

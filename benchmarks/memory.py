@@ -31,8 +31,17 @@ from _servers import Process, ServerProcess, free_port  # benchmarks/ is on sys.
 from fornax.config import DEFAULT_MODEL
 from fornax.models.registry import resolve_model
 
-FORNAX_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--max-num-seqs", "64",
-                "--no-access-log", "--log-level", "warning"]  # fmt: skip
+FORNAX_FLAGS = [
+    "--quantization",
+    "auto",
+    "--large-step-quantization",
+    "w8a8",
+    "--max-num-seqs",
+    "64",
+    "--no-access-log",
+    "--log-level",
+    "warning",
+]
 ADMIN_KEY = "sk-memory-admin"
 LLAMA_SLOTS = 32  # -np: one slot per concurrent stream of the load
 GOAL = 1.3
@@ -49,10 +58,32 @@ def rss_bytes(pid: int) -> int:
 
 def load(url: str, out: Path, api_key: str | None) -> float:
     """The fixed load; its output tok/s."""
-    cmd = [sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-           "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64",
-           "--num-warmups", "2", "--max-concurrency", "32", "--seed", "0", "--no-progress",
-           "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fornax.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--dataset",
+        "random",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "128",
+        "--num-prompts",
+        "64",
+        "--num-warmups",
+        "2",
+        "--max-concurrency",
+        "32",
+        "--seed",
+        "0",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -80,8 +111,13 @@ def measure_fornax(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         after, parts_after = rss_bytes(server.proc.pid), breakdown(server.url)
     finally:
         server.stop()
-    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s,
-            "breakdown_before": parts_before, "breakdown_after": parts_after}  # fmt: skip
+    return {
+        "rss_before": before,
+        "rss_after": after,
+        "output_tok_s": tok_s,
+        "breakdown_before": parts_before,
+        "breakdown_after": parts_after,
+    }
 
 
 def llama_kv_bytes_per_token(gguf: Path) -> int:
@@ -105,8 +141,19 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ctx = llama_context(gguf, args.kv * MiB, LLAMA_SLOTS)
-    cmd = [args.llama_server, "-m", str(gguf), "-np", str(LLAMA_SLOTS), "-c", str(ctx),
-           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    cmd = [
+        args.llama_server,
+        "-m",
+        str(gguf),
+        "-np",
+        str(LLAMA_SLOTS),
+        "-c",
+        str(ctx),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     server = ServerProcess("llama-server", cmd, port, log_dir / "llama-server.log")
     try:
         server.wait_ready()
@@ -117,8 +164,13 @@ def measure_llama(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[s
     finally:
         server.stop()
     kv = ctx * llama_kv_bytes_per_token(gguf)
-    return {"rss_before": before, "rss_after": after, "output_tok_s": tok_s,
-            "context_tokens": ctx, "kv_bytes": kv}  # fmt: skip
+    return {
+        "rss_before": before,
+        "rss_after": after,
+        "output_tok_s": tok_s,
+        "context_tokens": ctx,
+        "kv_bytes": kv,
+    }
 
 
 def main() -> int:

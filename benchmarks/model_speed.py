@@ -48,8 +48,16 @@ def main() -> None:
     args = ap.parse_args()
     names = args.models.split(",")
     # NAME:head4 is NAME with --lm-head-quantization int4
-    llms = {name: LLM(name.removesuffix(":head4"), progress=False, max_model_len=2048, **MAKE_RUN,
-                      lm_head_quantization="int4" if name.endswith(":head4") else None) for name in names}  # fmt: skip
+    llms = {
+        name: LLM(
+            name.removesuffix(":head4"),
+            progress=False,
+            max_model_len=2048,
+            **MAKE_RUN,
+            lm_head_quantization="int4" if name.endswith(":head4") else None,
+        )
+        for name in names
+    }
     for llm in llms.values():  # warm-up: kernels, allocator, first-call paths
         decode_rate(llm, 2, 8)
         prefill_seconds(llm, 64, -1)

@@ -42,8 +42,12 @@ def build(names: list[str]) -> list[AsyncEngine]:
     """Each engine built in a thread that ends (as the server loads models: server/app.py)."""
     engines: list[AsyncEngine] = []
     for name in names:
-        config = EngineConfig(model=name, quantization="auto", large_step_quantization="w8a8",
-                              scheduler=SchedulerConfig(max_model_len=2048))  # fmt: skip
+        config = EngineConfig(
+            model=name,
+            quantization="auto",
+            large_step_quantization="w8a8",
+            scheduler=SchedulerConfig(max_model_len=2048),
+        )
         t = threading.Thread(
             target=lambda c=config: engines.append(AsyncEngine.from_config(c, progress=False))
         )

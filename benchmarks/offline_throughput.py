@@ -92,8 +92,9 @@ class Result:
         self.total_tok_s = (self.useful_output_tokens + self.prompt_tokens) / self.seconds
 
 
-def build_workload(tokenizer, num_prompts: int, seed: int, prompt_range: tuple[int, int],
-                   output_range: tuple[int, int]) -> Workload:  # fmt: skip
+def build_workload(
+    tokenizer, num_prompts: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+) -> Workload:
     """Seeded prompts cut from a shuffled stream of the paragraphs, at uniform random lengths."""
     rng = random.Random(seed)
     prompts, output_lens = [], []
@@ -185,9 +186,13 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) 
     ids, mask = _left_padded(prompts, pad_id)
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=pad_id,
-        )  # fmt: skip
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
     return out[:, ids.shape[1] :]
 
 
@@ -231,28 +236,36 @@ def hf_single_stream(model, prompt: list[int], new_tokens: int, pad_id: int) -> 
 
 def print_table(work: Workload, results: list[tuple[str, Result, dict[str, float]]]) -> None:
     print()
-    print(f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, "
-          f"{work.output_tokens} requested output tokens (EOS ignored)")  # fmt: skip
+    print(
+        f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, "
+        f"{work.output_tokens} requested output tokens (EOS ignored)"
+    )
     width = max(14, *(len(name) for name, _, _ in results))
-    header = (f"{'engine':<{width}} {'batch out tok/s':>15} {'total tok/s':>12} {'wasted':>7} {'decode 1x':>10} "
-              f"{'decode @2k':>11} {'2k slowdown':>12} {'prefill 512':>12}")  # fmt: skip
+    header = (
+        f"{'engine':<{width}} {'batch out tok/s':>15} {'total tok/s':>12} {'wasted':>7} {'decode 1x':>10} "
+        f"{'decode @2k':>11} {'2k slowdown':>12} {'prefill 512':>12}"
+    )
     print(header)
     print("-" * len(header))
     for name, r, single in results:
         wasted = 1 - r.useful_output_tokens / r.generated_tokens
         long = single.get("decode_2k")
         slow = f"{single['slowdown_2k']:>11.2f}x" if long else f"{'-':>12}"
-        print(f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} "
-              f"{single['decode']:>10.1f} {long or 0:>11.1f} {slow} {single['prefill']:>12.1f}")  # fmt: skip
+        print(
+            f"{name:<{width}} {r.output_tok_s:>15.1f} {r.total_tok_s:>12.1f} {wasted:>6.0%} "
+            f"{single['decode']:>10.1f} {long or 0:>11.1f} {slow} {single['prefill']:>12.1f}"
+        )
     hf = next((x for x in results if x[0] == "hf"), None)
     if hf:
         print()
         print("ratios to HF transformers (batch output tok/s, single-stream decode, prefill):")
         for name, r, single in results:
             if name != "hf":
-                print(f"  {name:<{width}} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
-                      f"x{single['decode'] / hf[2]['decode']:.2f}  "
-                      f"x{single['prefill'] / hf[2]['prefill']:.2f}")  # fmt: skip
+                print(
+                    f"  {name:<{width}} x{r.output_tok_s / hf[1].output_tok_s:.2f}  "
+                    f"x{single['decode'] / hf[2]['decode']:.2f}  "
+                    f"x{single['prefill'] / hf[2]['prefill']:.2f}"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 12 requests instead of 64")
     ap.add_argument("--skip-hf", action="store_true", help="measure fornax only")
-    ap.add_argument("--quantization", default="none,int4",
-                    help="fornax weight forms, comma-separated: none,int8,int4,auto for the small (decode) steps, "
-                         "each optionally +w8a8 for the larger ones (auto+w8a8) and +kv8 for int8 K/V "
-                         "(--kv-cache-dtype int8: auto+w8a8+kv8)")  # fmt: skip
+    ap.add_argument(
+        "--quantization",
+        default="none,int4",
+        help="fornax weight forms, comma-separated: none,int8,int4,auto for the small (decode) steps, "
+        "each optionally +w8a8 for the larger ones (auto+w8a8) and +kv8 for int8 K/V "
+        "(--kv-cache-dtype int8: auto+w8a8+kv8)",
+    )
     ap.add_argument("--kernel-backend", default="native", choices=["native", "torch"])
     ap.add_argument(
         "--decode-repeats", type=int, default=3, help="single-stream decode runs per prompt length"
@@ -288,8 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         quant = None if small == "none" else small
         large = "w8a8" if "w8a8" in extras else None
         kv_cache_dtype = "int8" if "kv8" in extras else "auto"
-        llm = LLM(str(gguf), dtype="bfloat16", quantization=quant, large_step_quantization=large,
-                  kv_cache_dtype=kv_cache_dtype, kernel_backend=args.kernel_backend, progress=False)  # fmt: skip
+        llm = LLM(
+            str(gguf),
+            dtype="bfloat16",
+            quantization=quant,
+            large_step_quantization=large,
+            kv_cache_dtype=kv_cache_dtype,
+            kernel_backend=args.kernel_backend,
+            progress=False,
+        )
         tok = llm.get_tokenizer()
         work = build_workload(tok, num_prompts, args.seed, (32, 512), (64, 256))
         single_prompt = build_workload(tok, 1, args.seed + 1, (128, 128), (1, 1)).prompts[0]
@@ -319,11 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(work, results)
     if args.json:
         report = {
-            "num_prompts": num_prompts, "seed": args.seed, "quick": args.quick,
-            "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens,
+            "num_prompts": num_prompts,
+            "seed": args.seed,
+            "quick": args.quick,
+            "prompt_tokens": work.prompt_tokens,
+            "output_tokens": work.output_tokens,
             "single_stream_new_tokens": single_tokens,
             "results": [{"engine": n, "batch": asdict(r), **single} for n, r, single in results],
-        }  # fmt: skip
+        }
         args.json.write_text(json.dumps(report, indent=2))
     return 0
 

@@ -27,17 +27,31 @@ from fornax import LLM, SamplingParams
 from fornax.quality.perplexity import load_corpus, perplexity
 
 QUESTIONS = [
-    "What is LLM inference?", "Explain photosynthesis in two sentences.", "Write a haiku about rain.",
-    "What is the capital of Australia?", "How do I reverse a list in Python?", "Why is the sky blue?",
-    "Give three tips for better sleep.", "What is a prime number?", "Summarize the plot of Hamlet.",
-    "How does a refrigerator work?", "Translate 'good morning' into French.", "What causes tides?",
-    "Name the planets of the solar system.", "What is the difference between RAM and disk?",
-    "Write a SQL query that counts rows in a table named users.", "What is 17 times 23?",
-    "Describe a cat to someone who has never seen one.", "What is recursion?",
-    "List four primary colors of light and pigment.", "Why do we have seasons?",
-    "What does HTTP stand for?", "Give me a short motivational quote.", "How do vaccines work?",
+    "What is LLM inference?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about rain.",
+    "What is the capital of Australia?",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give three tips for better sleep.",
+    "What is a prime number?",
+    "Summarize the plot of Hamlet.",
+    "How does a refrigerator work?",
+    "Translate 'good morning' into French.",
+    "What causes tides?",
+    "Name the planets of the solar system.",
+    "What is the difference between RAM and disk?",
+    "Write a SQL query that counts rows in a table named users.",
+    "What is 17 times 23?",
+    "Describe a cat to someone who has never seen one.",
+    "What is recursion?",
+    "List four primary colors of light and pigment.",
+    "Why do we have seasons?",
+    "What does HTTP stand for?",
+    "Give me a short motivational quote.",
+    "How do vaccines work?",
     "What is the boiling point of water at sea level?",
-]  # fmt: skip
+]
 ALL_ROWS = 1 << 30
 
 
@@ -69,14 +83,20 @@ def main() -> None:
 
     rows = []
     outputs = {}
-    forms = [(name, {"quantization": q, "small_step_max_rows": ALL_ROWS if q else 24})
-             for name, q in (("bf16", None), ("int8", "int8"), ("int4", "int4"), ("auto", "auto"))]  # fmt: skip
+    forms = [
+        (name, {"quantization": q, "small_step_max_rows": ALL_ROWS if q else 24})
+        for name, q in (("bf16", None), ("int8", "int8"), ("int4", "int4"), ("auto", "auto"))
+    ]
     # int8 x int8 on every step, and as served: the file's int4 for one-row steps, int8 x int8 past them
     forms.append(("w8a8", {"small_step_max_rows": 0, "large_step_quantization": "w8a8"}))
     forms.append(("auto+w8a8", {"quantization": "auto", "large_step_quantization": "w8a8"}))
     # ... with the int4 LM head (--lm-head-quantization int4), here on every row, scoring included
-    forms.append(("auto+w8a8+head4", {"quantization": "auto", "large_step_quantization": "w8a8",
-                                      "lm_head_quantization": "int4"}))  # fmt: skip
+    forms.append(
+        (
+            "auto+w8a8+head4",
+            {"quantization": "auto", "large_step_quantization": "w8a8", "lm_head_quantization": "int4"},
+        )
+    )
     chunked = {"max_num_batched_tokens": 64}
     forms.append(("bf16 c64", chunked))
     forms.append(("bf16+kv8", {**chunked, "kv_cache_dtype": "int8"}))

@@ -60,8 +60,16 @@ BLOCK_SIZE = 16  # fornax serve's default --block-size
 
 
 def start_replicas(args: argparse.Namespace, log_dir: Path, count: int = 2) -> list[Process]:
-    flags = [*REPLICA_FLAGS, "--num-blocks", str(args.kv_blocks), "--max-model-len", "2048",
-             "--no-access-log", "--log-level", "warning"]  # fmt: skip
+    flags = [
+        *REPLICA_FLAGS,
+        "--num-blocks",
+        str(args.kv_blocks),
+        "--max-model-len",
+        "2048",
+        "--no-access-log",
+        "--log-level",
+        "warning",
+    ]
     replicas = [Process(f"replica{i}", ["serve", args.model, *flags], log_dir) for i in range(count)]
     for replica in replicas:  # both load at once
         replica.wait_ready(lambda r: r.status_code == 200)
@@ -70,8 +78,21 @@ def start_replicas(args: argparse.Namespace, log_dir: Path, count: int = 2) -> l
 
 def start_router(replicas: list[Process], policy: str, log_dir: Path) -> Process:
     urls = [item for r in replicas for item in ("--replica", r.url)]
-    router = Process(f"router-{policy}", ["router", *urls, "--policy", policy, "--poll-interval", "0.5",
-                                          "--no-access-log", "--log-level", "warning"], log_dir)  # fmt: skip
+    router = Process(
+        f"router-{policy}",
+        [
+            "router",
+            *urls,
+            "--policy",
+            policy,
+            "--poll-interval",
+            "0.5",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        log_dir,
+    )
     router.wait_ready(lambda r: r.status_code == 200 and r.json().get("healthy_replicas") == len(replicas))
     return router
 
@@ -132,13 +153,38 @@ def routing_decisions(url: str) -> dict[str, float]:
 
 
 def bench_command(args: argparse.Namespace, url: str, seed: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", url, "--model", args.model,
-            "--endpoint", "completions", "--dataset", "prefix-repetition",
-            "--num-prompts", str(args.requests),
-            "--num-prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len),
-            "--suffix-len", str(args.suffix_len), "--random-output-len", str(args.output_len),
-            "--max-concurrency", str(args.concurrency), "--seed", str(seed), "--no-progress",
-            "--json", str(out)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "fornax.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--model",
+        args.model,
+        "--endpoint",
+        "completions",
+        "--dataset",
+        "prefix-repetition",
+        "--num-prompts",
+        str(args.requests),
+        "--num-prefixes",
+        str(args.prefixes),
+        "--prefix-len",
+        str(args.prefix_len),
+        "--suffix-len",
+        str(args.suffix_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
 
 
 def run_arm(args: argparse.Namespace, policy: str, round_no: int, log_dir: Path) -> Arm:
@@ -159,8 +205,17 @@ def run_arm(args: argparse.Namespace, policy: str, round_no: int, log_dir: Path)
             hits, queries = hits + h, queries + q
         ok = [r for r in report["requests"] if r["success"] and r.get("ttft_s") is not None]
         summary = report["summary"]
-        return Arm(policy, round_no, hits, queries, [r["ttft_s"] * 1000.0 for r in ok], summary["completed"],
-                   summary["failed"], summary["duration_s"], routing_decisions(router.url))  # fmt: skip
+        return Arm(
+            policy,
+            round_no,
+            hits,
+            queries,
+            [r["ttft_s"] * 1000.0 for r in ok],
+            summary["completed"],
+            summary["failed"],
+            summary["duration_s"],
+            routing_decisions(router.url),
+        )
     finally:
         stop_all(processes)
 
@@ -171,9 +226,11 @@ def compare_policies(args: argparse.Namespace, log_dir: Path) -> list[Arm]:
         order = POLICIES if round_no % 2 == 0 else POLICIES[::-1]  # neither always goes first
         for policy in order:
             arm = run_arm(args, policy, round_no, log_dir)
-            print(f"  round {round_no} {policy:<12} hit rate {arm.hit_rate:6.1%}  TTFT p50 "
-                  f"{percentile(arm.ttft_ms, 50):8.1f} ms  ({arm.completed} ok, {arm.failed} failed)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"  round {round_no} {policy:<12} hit rate {arm.hit_rate:6.1%}  TTFT p50 "
+                f"{percentile(arm.ttft_ms, 50):8.1f} ms  ({arm.completed} ok, {arm.failed} failed)",
+                file=sys.stderr,
+            )
             arms.append(arm)
     return arms
 
@@ -183,9 +240,13 @@ def policy_summary(arms: list[Arm], policy: str) -> dict[str, Any]:
     mine = [a for a in arms if a.policy == policy]
     hits, queries = sum(a.hits for a in mine), sum(a.queries for a in mine)
     ttft = [t for a in mine for t in a.ttft_ms]
-    return {"hit_rate": hits / queries if queries else 0.0, "ttft_p50_ms": percentile(ttft, 50),
-            "ttft_p90_ms": percentile(ttft, 90), "completed": sum(a.completed for a in mine),
-            "failed": sum(a.failed for a in mine)}  # fmt: skip
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p90_ms": percentile(ttft, 90),
+        "completed": sum(a.completed for a in mine),
+        "failed": sum(a.failed for a in mine),
+    }
 
 
 # ---- b. router-added latency --------------------------------------------------------------------------
@@ -201,10 +262,15 @@ def added_latency(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         direct, routed = time_alternating(replicas[0].url, router.url, args.model, args.latency_requests)
     finally:
         stop_all(processes)
-    return {"request": "POST /tokenize", "n": args.latency_requests,
-            "direct_p50_ms": percentile(direct, 50), "direct_p90_ms": percentile(direct, 90),
-            "router_p50_ms": percentile(routed, 50), "router_p90_ms": percentile(routed, 90),
-            "added_p50_ms": percentile(routed, 50) - percentile(direct, 50)}  # fmt: skip
+    return {
+        "request": "POST /tokenize",
+        "n": args.latency_requests,
+        "direct_p50_ms": percentile(direct, 50),
+        "direct_p90_ms": percentile(direct, 90),
+        "router_p50_ms": percentile(routed, 50),
+        "router_p90_ms": percentile(routed, 90),
+        "added_p50_ms": percentile(routed, 50) - percentile(direct, 50),
+    }
 
 
 def time_alternating(direct_url: str, router_url: str, model: str, n: int) -> tuple[list[float], list[float]]:
@@ -253,20 +319,26 @@ def policy_lines(arms: list[Arm], lines: list[str]) -> dict[str, Any]:
     ttft_ratio = ca["ttft_p50_ms"] / rr["ttft_p50_ms"]
     lines.append(f"{'policy':<14}{'hit rate':>10}{'TTFT p50':>12}{'TTFT p90':>12}{'ok':>7}{'failed':>8}")
     for name, s in (("cache-aware", ca), ("round-robin", rr)):
-        lines.append(f"{name:<14}{s['hit_rate']:>10.1%}{s['ttft_p50_ms']:>10.1f}ms"
-                     f"{s['ttft_p90_ms']:>10.1f}ms{s['completed']:>7}{s['failed']:>8}")  # fmt: skip
-    lines.append(f"cache-aware / round-robin: hit rate {hit_ratio:.2f}x (goal >= {HIT_RATE_GOAL}: "
-                 f"{mark(hit_ratio >= HIT_RATE_GOAL)}), TTFT p50 {ttft_ratio:.2f}x (goal <= {TTFT_GOAL}: "
-                 f"{mark(ttft_ratio <= TTFT_GOAL)})")  # fmt: skip
+        lines.append(
+            f"{name:<14}{s['hit_rate']:>10.1%}{s['ttft_p50_ms']:>10.1f}ms"
+            f"{s['ttft_p90_ms']:>10.1f}ms{s['completed']:>7}{s['failed']:>8}"
+        )
+    lines.append(
+        f"cache-aware / round-robin: hit rate {hit_ratio:.2f}x (goal >= {HIT_RATE_GOAL}: "
+        f"{mark(hit_ratio >= HIT_RATE_GOAL)}), TTFT p50 {ttft_ratio:.2f}x (goal <= {TTFT_GOAL}: "
+        f"{mark(ttft_ratio <= TTFT_GOAL)})"
+    )
     return {"cache_aware": ca, "round_robin": rr, "hit_rate_ratio": hit_ratio, "ttft_p50_ratio": ttft_ratio}
 
 
 def latency_line(lat: dict[str, Any]) -> str:
     added = lat["added_p50_ms"]
-    return (f"{lat['request']} x{lat['n']}: direct p50 {lat['direct_p50_ms']:.2f} / p90 "
-            f"{lat['direct_p90_ms']:.2f} ms; through the router p50 {lat['router_p50_ms']:.2f} / p90 "
-            f"{lat['router_p90_ms']:.2f} ms; "
-            f"added p50 {added:.2f} ms (goal < {ADDED_MS_GOAL}: {mark(added < ADDED_MS_GOAL)})")  # fmt: skip
+    return (
+        f"{lat['request']} x{lat['n']}: direct p50 {lat['direct_p50_ms']:.2f} / p90 "
+        f"{lat['direct_p90_ms']:.2f} ms; through the router p50 {lat['router_p50_ms']:.2f} / p90 "
+        f"{lat['router_p90_ms']:.2f} ms; "
+        f"added p50 {added:.2f} ms (goal < {ADDED_MS_GOAL}: {mark(added < ADDED_MS_GOAL)})"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

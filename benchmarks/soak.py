@@ -97,10 +97,32 @@ class Plan:
     cut_after_events: int | None = None  # ...or once this many SSE events have arrived
 
 
-_TOPICS = ("the sea", "a compiler", "autumn", "the moon", "bread", "a violin", "rain", "chess", "a lighthouse",
-           "glaciers", "bees", "a train station", "tea", "volcanoes", "a library", "the wind")  # fmt: skip
-_ASKS = ("Write a short note about", "Describe", "Explain in simple words", "List three facts about",
-         "Tell a tiny story about", "Summarize what you know about")  # fmt: skip
+_TOPICS = (
+    "the sea",
+    "a compiler",
+    "autumn",
+    "the moon",
+    "bread",
+    "a violin",
+    "rain",
+    "chess",
+    "a lighthouse",
+    "glaciers",
+    "bees",
+    "a train station",
+    "tea",
+    "volcanoes",
+    "a library",
+    "the wind",
+)
+_ASKS = (
+    "Write a short note about",
+    "Describe",
+    "Explain in simple words",
+    "List three facts about",
+    "Tell a tiny story about",
+    "Summarize what you know about",
+)
 _FILLER = [
     "please",
     "keep",
@@ -162,8 +184,13 @@ def _well_formed(rng: random.Random, model: str, max_tokens: tuple[int, int]) ->
             body["logprobs"] = 2
         if rng.random() < 0.05:
             body["echo"] = True
-    return {"path": path, "stream": stream, "body": body, "num_choices": n * num_prompts,
-            "max_tokens": budget}  # fmt: skip
+    return {
+        "path": path,
+        "stream": stream,
+        "body": body,
+        "num_choices": n * num_prompts,
+        "max_tokens": budget,
+    }
 
 
 def _json_bytes(body: dict[str, Any]) -> bytes:
@@ -181,11 +208,19 @@ def _completion(model: str, **fields: Any) -> dict[str, Any]:
 # Broken bodies: (name, path, body builder). Each must be answered 4xx with an error envelope.
 # Written as raw bytes where json.dumps could not produce them (NaN, overflow, bad UTF-8).
 MALFORMED: tuple[tuple[str, str, Callable[[str], bytes]], ...] = (
-    ("truncated_json", CHAT, lambda m: b'{"model": "%s", "messages": [{"role": "user", "content": "hi"' % m.encode()),
+    (
+        "truncated_json",
+        CHAT,
+        lambda m: b'{"model": "%s", "messages": [{"role": "user", "content": "hi"' % m.encode(),
+    ),
     ("not_an_object", CHAT, lambda m: b"[1, 2, 3]"),
     ("empty_body", COMPLETIONS, lambda m: b""),
     ("invalid_utf8", COMPLETIONS, lambda m: b'{"model": "\xff\xfe", "prompt": "hi"}'),
-    ("nan_temperature", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % m.encode()),
+    (
+        "nan_temperature",
+        COMPLETIONS,
+        lambda m: b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % m.encode(),
+    ),
     ("infinite_top_p", CHAT, lambda m: _json_bytes(_chat(m))[:-1] + b', "top_p": Infinity}'),
     ("float_overflow", COMPLETIONS, lambda m: _json_bytes(_completion(m))[:-1] + b', "temperature": 1e999}'),
     ("huge_max_tokens", COMPLETIONS, lambda m: _json_bytes(_completion(m, max_tokens=10**30))),
@@ -199,22 +234,43 @@ MALFORMED: tuple[tuple[str, str, Callable[[str], bytes]], ...] = (
     ("unknown_model", CHAT, lambda m: _json_bytes(_chat("no-such-model"))),
     ("empty_messages", CHAT, lambda m: _json_bytes({"model": m, "messages": []})),
     ("empty_prompt_list", COMPLETIONS, lambda m: _json_bytes({"model": m, "prompt": []})),
-    ("unknown_role", CHAT, lambda m: _json_bytes({"model": m, "messages": [{"role": "wizard", "content": "hi"}]})),
-    ("token_out_of_range", COMPLETIONS, lambda m: _json_bytes({"model": m, "prompt": [10**9], "max_tokens": 4})),
+    (
+        "unknown_role",
+        CHAT,
+        lambda m: _json_bytes({"model": m, "messages": [{"role": "wizard", "content": "hi"}]}),
+    ),
+    (
+        "token_out_of_range",
+        COMPLETIONS,
+        lambda m: _json_bytes({"model": m, "prompt": [10**9], "max_tokens": 4}),
+    ),
     ("n_zero", COMPLETIONS, lambda m: _json_bytes(_completion(m, n=0))),
     ("negative_temperature", CHAT, lambda m: _json_bytes(_chat(m, temperature=-1.0))),
     ("stop_number", COMPLETIONS, lambda m: _json_bytes(_completion(m, stop=5))),
     ("logit_bias_bad_key", CHAT, lambda m: _json_bytes(_chat(m, logit_bias={"abc": 1.0}))),
     ("top_logprobs_alone", CHAT, lambda m: _json_bytes(_chat(m, top_logprobs=3))),
-    ("stream_options_no_stream", COMPLETIONS,
-     lambda m: _json_bytes(_completion(m, stream_options={"include_usage": True}))),
-    ("deep_nesting", COMPLETIONS,
-     lambda m: b'{"model": "%s", "prompt": %s%s}' % (m.encode(), b"[" * 20000, b"]" * 20000)),
-)  # fmt: skip
+    (
+        "stream_options_no_stream",
+        COMPLETIONS,
+        lambda m: _json_bytes(_completion(m, stream_options={"include_usage": True})),
+    ),
+    (
+        "deep_nesting",
+        COMPLETIONS,
+        lambda m: b'{"model": "%s", "prompt": %s%s}' % (m.encode(), b"[" * 20000, b"]" * 20000),
+    ),
+)
 
 
-def make_plans(requests: int, model: str, *, disconnect_fraction: float, malformed_fraction: float,
-               max_tokens: tuple[int, int], seed: int) -> list[Plan]:  # fmt: skip
+def make_plans(
+    requests: int,
+    model: str,
+    *,
+    disconnect_fraction: float,
+    malformed_fraction: float,
+    max_tokens: tuple[int, int],
+    seed: int,
+) -> list[Plan]:
     """`requests` plans; exactly round(fraction x requests) disconnects and malformed bodies,
     at random positions."""
     rng = random.Random(seed)
@@ -240,8 +296,16 @@ def malformed_plan(index: int, variant: int, model: str) -> Plan:
 def _plan(index: int, kind: str, rng: random.Random, model: str, max_tokens: tuple[int, int]) -> Plan:
     spec = _well_formed(rng, model, max_tokens)
     label = ("chat" if spec["path"] == CHAT else "completions") + (" stream" if spec["stream"] else "")
-    plan = Plan(index, kind, spec["path"], spec["stream"], _json_bytes(spec["body"]), label,
-                spec["num_choices"], spec["max_tokens"])  # fmt: skip
+    plan = Plan(
+        index,
+        kind,
+        spec["path"],
+        spec["stream"],
+        _json_bytes(spec["body"]),
+        label,
+        spec["num_choices"],
+        spec["max_tokens"],
+    )
     if kind != "disconnect":
         return plan
     # The moment of the cut: at once (usually before the answer's headers), after a while
@@ -257,8 +321,18 @@ def _plan(index: int, kind: str, rng: random.Random, model: str, max_tokens: tup
 
 
 def _with_cut(plan: Plan, after_s: float | None = None, after_events: int | None = None) -> Plan:
-    return Plan(plan.index, plan.kind, plan.path, plan.stream, plan.body, plan.label, plan.num_choices,
-                plan.max_tokens, after_s, after_events)  # fmt: skip
+    return Plan(
+        plan.index,
+        plan.kind,
+        plan.path,
+        plan.stream,
+        plan.body,
+        plan.label,
+        plan.num_choices,
+        plan.max_tokens,
+        after_s,
+        after_events,
+    )
 
 
 # ---- one request ------------------------------------------------------------------------------------
@@ -297,8 +371,9 @@ def _is_envelope(raw: bytes) -> bool:
     return isinstance(error, dict) and fields <= error.keys() and bool(error["message"])
 
 
-async def _exchange(client: httpx.AsyncClient, plan: Plan, headers: dict[str, str],
-                    progress: Progress) -> Result:  # fmt: skip
+async def _exchange(
+    client: httpx.AsyncClient, plan: Plan, headers: dict[str, str], progress: Progress
+) -> Result:
     """Send a well-formed request and judge its answer; never raises but CancelledError."""
     try:
         async with client.stream("POST", plan.path, content=plan.body, headers=headers) as resp:
@@ -434,12 +509,18 @@ def rss_bytes(pid: int) -> int | None:
 
 
 def _is_idle(state: dict[str, Any]) -> bool:
-    return (state.get("num_running") == 0 and state.get("num_waiting") == 0 and state.get("kv_cache_usage") == 0
-            and state.get("inflight_requests") == 0 and state.get("engine_streams") == 0)  # fmt: skip
+    return (
+        state.get("num_running") == 0
+        and state.get("num_waiting") == 0
+        and state.get("kv_cache_usage") == 0
+        and state.get("inflight_requests") == 0
+        and state.get("engine_streams") == 0
+    )
 
 
-async def wait_idle_state(client: httpx.AsyncClient, headers: dict[str, str],
-                          timeout_s: float) -> dict[str, Any]:  # fmt: skip
+async def wait_idle_state(
+    client: httpx.AsyncClient, headers: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
     """Poll /admin/state until the server is idle or `timeout_s` passes; the last state read."""
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {}
@@ -547,13 +628,17 @@ class SoakReport:
     def goals(self, check_rss: bool = True) -> dict[str, bool]:
         state = self.final_state
         goals = {
-            "0 KV blocks leaked": state.get("kv_cache_usage") == 0 and state.get("kv_integrity") == "ok"
-            and state.get("num_running") == 0 and state.get("num_waiting") == 0,
-            "0 hung streams": self.outcomes[HUNG] == 0 and state.get("inflight_requests") == 0
+            "0 KV blocks leaked": state.get("kv_cache_usage") == 0
+            and state.get("kv_integrity") == "ok"
+            and state.get("num_running") == 0
+            and state.get("num_waiting") == 0,
+            "0 hung streams": self.outcomes[HUNG] == 0
+            and state.get("inflight_requests") == 0
             and state.get("engine_streams") == 0,
             "0 5xx": self.num_5xx == 0 and self.num_server_5xx == 0,
-            "every request answered as it should be": self.done == self.requests and self.outcomes[FAILED] == 0,
-        }  # fmt: skip
+            "every request answered as it should be": self.done == self.requests
+            and self.outcomes[FAILED] == 0,
+        }
         if check_rss and self.rss_growth is not None:
             goals[f"RSS growth < {RSS_GROWTH_LIMIT:.0%}"] = self.rss_growth < RSS_GROWTH_LIMIT
         if self.server_exit_code is not None:
@@ -579,7 +664,8 @@ class SoakReport:
             f"{p['before_headers']}, mid-body {p['mid_body']}), rejected 4xx {o[REJECTED]}, failed {o[FAILED]}, "
             f"hung {o[HUNG]}",
             "  by kind     " + ", ".join(f"{k}/{out} {n}" for (k, out), n in sorted(self.by_kind.items())),
-            "  statuses    " + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
+            "  statuses    "
+            + ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
             + f"  (5xx: {self.num_5xx}); the server's count of errors: {_statuses(self.server_errors)}",
             f"  RSS         start {mib(self.rss_start)}, {self._warm_text()}end of first {self.rss_window} "
             f"{mib(self.rss_first)}, "
@@ -587,9 +673,10 @@ class SoakReport:
             f"  server      kv_cache_usage {state.get('kv_cache_usage')}, kv_integrity {state.get('kv_integrity')}, "
             f"inflight {state.get('inflight_requests')}, engine_streams {state.get('engine_streams')}, "
             f"running {state.get('num_running')}, waiting {state.get('num_waiting')}, "
-            f"aborted {state.get('aborted_requests')}" + (f", error {state['error']}" if "error" in state else ""),
+            f"aborted {state.get('aborted_requests')}"
+            + (f", error {state['error']}" if "error" in state else ""),
             f"  wall        {self.wall_s:.1f} s, {self.done / self.wall_s if self.wall_s else 0.0:.2f} requests/s",
-        ]  # fmt: skip
+        ]
         if self.server_exit_code is not None:
             lines.append(f"  exit        the server exited {self.server_exit_code} on SIGTERM")
         lines += [f"  failure     {f}" for f in self.failures[:10]]
@@ -616,9 +703,20 @@ def _pct(x: float | None) -> str:
 # ---- the run ----------------------------------------------------------------------------------------
 
 
-async def _soak(url: str, plans: list[Plan], concurrency: int, report: SoakReport, *, pid: int | None,
-                headers: dict[str, str], admin_headers: dict[str, str], timeout_s: float,
-                progress_every: int, warm_kv: bool, model: str) -> None:  # fmt: skip
+async def _soak(
+    url: str,
+    plans: list[Plan],
+    concurrency: int,
+    report: SoakReport,
+    *,
+    pid: int | None,
+    headers: dict[str, str],
+    admin_headers: dict[str, str],
+    timeout_s: float,
+    progress_every: int,
+    warm_kv: bool,
+    model: str,
+) -> None:
     # Room for every worker's connection plus those a cancelled request leaves closing.
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(timeout_s + 10, connect=30)  # asyncio's bound below decides "hung"
@@ -631,8 +729,11 @@ async def _soak(url: str, plans: list[Plan], concurrency: int, report: SoakRepor
             report.warm_s = time.monotonic() - warm_start
             report.rss_warm = rss_bytes(pid) if pid else None
             if progress_every:
-                print(f"  KV warm-up: {report.warm_tokens} prompt tokens in {report.warm_s:.0f} s, "
-                      f"RSS {_mib(report.rss_warm)}", flush=True)  # fmt: skip
+                print(
+                    f"  KV warm-up: {report.warm_tokens} prompt tokens in {report.warm_s:.0f} s, "
+                    f"RSS {_mib(report.rss_warm)}",
+                    flush=True,
+                )
         start = time.monotonic()
         pending = iter(plans)
 
@@ -687,26 +788,61 @@ def _after_each(report: SoakReport, pid: int | None, start: float, progress_ever
         o = report.outcomes
         rate = done / max(time.monotonic() - start, 1e-9)
         rss = _mib(report.rss_samples[-1][1]) if report.rss_samples else "n/a"
-        print(f"  {done}/{report.requests}  completed {o[COMPLETED]}  disconnected {o[DISCONNECTED]}  "
-              f"rejected {o[REJECTED]}  failed {o[FAILED]}  hung {o[HUNG]}  5xx {report.num_5xx}  "
-              f"{rate:.2f} req/s  RSS {rss}", flush=True)  # fmt: skip
+        print(
+            f"  {done}/{report.requests}  completed {o[COMPLETED]}  disconnected {o[DISCONNECTED]}  "
+            f"rejected {o[REJECTED]}  failed {o[FAILED]}  hung {o[HUNG]}  5xx {report.num_5xx}  "
+            f"{rate:.2f} req/s  RSS {rss}",
+            flush=True,
+        )
 
 
-def run_soak(url: str, requests: int = 5000, concurrency: int = 32, *, disconnect_fraction: float = 0.2,
-             malformed_fraction: float = 0.05, max_tokens: tuple[int, int] = (8, 48), pid: int | None = None,
-             api_key: str | None = None, admin_key: str | None = None, model: str = DEFAULT_MODEL,
-             timeout_s: float = 120.0, seed: int = 0, rss_window: int = 1000, progress_every: int = 0,
-             warm_kv: bool = False) -> SoakReport:  # fmt: skip
+def run_soak(
+    url: str,
+    requests: int = 5000,
+    concurrency: int = 32,
+    *,
+    disconnect_fraction: float = 0.2,
+    malformed_fraction: float = 0.05,
+    max_tokens: tuple[int, int] = (8, 48),
+    pid: int | None = None,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    model: str = DEFAULT_MODEL,
+    timeout_s: float = 120.0,
+    seed: int = 0,
+    rss_window: int = 1000,
+    progress_every: int = 0,
+    warm_kv: bool = False,
+) -> SoakReport:
     """Drive `requests` planned requests at `concurrency` against the server at `url` (pid: its
     process, for RSS), wait for it to be idle and return the report (its goals unchecked).
     warm_kv: write the whole KV pool once first, so its first touch is not counted as growth."""
-    plans = make_plans(requests, model, disconnect_fraction=disconnect_fraction,
-                       malformed_fraction=malformed_fraction, max_tokens=max_tokens, seed=seed)  # fmt: skip
+    plans = make_plans(
+        requests,
+        model,
+        disconnect_fraction=disconnect_fraction,
+        malformed_fraction=malformed_fraction,
+        max_tokens=max_tokens,
+        seed=seed,
+    )
     report = SoakReport(url=url, requests=requests, concurrency=concurrency, rss_window=rss_window)
     headers = _bearer(api_key or admin_key)
     admin_headers = _bearer(admin_key or api_key)
-    asyncio.run(_soak(url, plans, concurrency, report, pid=pid, headers=headers, admin_headers=admin_headers,
-                      timeout_s=timeout_s, progress_every=progress_every, warm_kv=warm_kv, model=model))  # fmt: skip
+    asyncio.run(
+        _soak(
+            url,
+            plans,
+            concurrency,
+            report,
+            pid=pid,
+            headers=headers,
+            admin_headers=admin_headers,
+            timeout_s=timeout_s,
+            progress_every=progress_every,
+            warm_kv=warm_kv,
+            model=model,
+        )
+    )
     return report
 
 
@@ -718,8 +854,9 @@ def _bearer(key: str | None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="a running server (default: start one with make run's flags)")
     parser.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS")
     parser.add_argument("--api-key", help="with --url: a key for the generation routes")
@@ -753,8 +890,9 @@ def main(argv: list[str] | None = None) -> int:
         log_path = args.server_log or Path(tempfile.mkdtemp(prefix="fornax-soak-")) / "server.log"
         # An open server (no keys), whose /admin/state needs none.
         env = {k: v for k, v in os.environ.items() if k not in ("FORNAX_API_KEY", "FORNAX_ADMIN_KEY")}
-        server = FornaxProcess("soak server", ["serve", args.model, *MAKE_RUN_FLAGS, *args.server_arg], log_path,
-                               env)  # fmt: skip
+        server = FornaxProcess(
+            "soak server", ["serve", args.model, *MAKE_RUN_FLAGS, *args.server_arg], log_path, env
+        )
         print(f"soak: starting fornax {' '.join(server.args)} (log: {log_path})", flush=True)
         try:
             server.wait_ready(timeout_s=600.0)
@@ -765,11 +903,23 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url or server.url
     pid = args.pid or (server.proc.pid if server else None)
     try:
-        report = run_soak(url, args.requests, args.concurrency, disconnect_fraction=args.disconnect_fraction,
-                          malformed_fraction=args.malformed_fraction, max_tokens=tuple(args.max_tokens), pid=pid,
-                          api_key=args.api_key, admin_key=args.admin_key, model=args.model, timeout_s=args.timeout,
-                          seed=args.seed, rss_window=args.rss_window, progress_every=args.progress_every,
-                          warm_kv=not args.no_kv_warmup)  # fmt: skip
+        report = run_soak(
+            url,
+            args.requests,
+            args.concurrency,
+            disconnect_fraction=args.disconnect_fraction,
+            malformed_fraction=args.malformed_fraction,
+            max_tokens=tuple(args.max_tokens),
+            pid=pid,
+            api_key=args.api_key,
+            admin_key=args.admin_key,
+            model=args.model,
+            timeout_s=args.timeout,
+            seed=args.seed,
+            rss_window=args.rss_window,
+            progress_every=args.progress_every,
+            warm_kv=not args.no_kv_warmup,
+        )
     finally:
         exit_code = server.stop(timeout_s=90.0) if server else None
     report.server_exit_code = exit_code

@@ -106,10 +106,17 @@ def main() -> None:
     if args.disable_by_batch_size is not None:
         extra["disable_by_batch_size"] = args.disable_by_batch_size
     quantization = None if args.quantization == "none" else args.quantization
-    engines = {name: LLM(args.model, progress=False, kv_cache_memory="256MiB", quantization=quantization,
-                         large_step_quantization=args.large_step_quantization,
-                         speculative_config=None if spec is None else spec | extra)
-               for name, spec in PROPOSERS.items()}  # fmt: skip
+    engines = {
+        name: LLM(
+            args.model,
+            progress=False,
+            kv_cache_memory="256MiB",
+            quantization=quantization,
+            large_step_quantization=args.large_step_quantization,
+            speculative_config=None if spec is None else spec | extra,
+        )
+        for name, spec in PROPOSERS.items()
+    }
     tok = engines["none"].get_tokenizer()
 
     def chat(text: str) -> list[int]:
@@ -133,20 +140,29 @@ def main() -> None:
                 # cell, and one position read slower than another by up to ~9% on this machine.
                 order = list(engines.items()) if round_no % 2 == 0 else list(engines.items())[::-1]
                 for name, llm in order:
-                    run = _single(llm, prompts[: args.single_prompts], params) if mode == "1-stream" else \
-                        _batch(llm, prompts[:8], params)  # fmt: skip
+                    run = (
+                        _single(llm, prompts[: args.single_prompts], params)
+                        if mode == "1-stream"
+                        else _batch(llm, prompts[:8], params)
+                    )
                     runs[name].setdefault(f"{load}/{mode}", []).append(run)
         print(f"round {round_no + 1} done ({time.time() - start:.0f} s)", flush=True)
-    results = {name: {cell: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
-                      for cell, rs in cells.items()} for name, cells in runs.items()}  # fmt: skip
+    results = {
+        name: {
+            cell: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for cell, rs in cells.items()
+        }
+        for name, cells in runs.items()
+    }
     print("\n| workload | proposer | decode tok/s | vs none | acceptance | mean accepted len |")
     print("|---|---|---|---|---|---|")
     for cell in results["none"]:
         base = results["none"][cell]["tok_s"]
         for name in engines:
             r = results[name][cell]
-            print(f"| {cell} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['acceptance']:.2f} "
-                  f"| {r['mean_accepted_len']:.2f} |")  # fmt: skip
+            print(
+                f"| {cell} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['acceptance']:.2f} "
+                f"| {r['mean_accepted_len']:.2f} |"
+            )
     print(f"\ntotal {time.time() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

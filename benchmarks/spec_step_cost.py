@@ -64,8 +64,12 @@ def main() -> None:
     args = ap.parse_args()
     quant = None if args.quantization == "none" else args.quantization
     large = None if args.large_step_quantization == "none" else args.large_step_quantization
-    common = {"progress": False, "kv_cache_memory": "512MiB", "quantization": quant,
-              "large_step_quantization": large}  # fmt: skip
+    common = {
+        "progress": False,
+        "kv_cache_memory": "512MiB",
+        "quantization": quant,
+        "large_step_quantization": large,
+    }
     plain = LLM(args.model, **common)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "row_cost": 0.0, "disable_by_batch_size": 0}
     verify = LLM(args.model, speculative_config=spec, **common)

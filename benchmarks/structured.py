@@ -45,7 +45,9 @@ CATALOG = {
     "properties": {
         "store": {"type": "string", "maxLength": 30},
         "products": {
-            "type": "array", "minItems": 6, "maxItems": 8,
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 8,
             "items": {
                 "type": "object",
                 "properties": {
@@ -61,20 +63,35 @@ CATALOG = {
     },
     "required": ["store", "products"],
     "additionalProperties": False,
-}  # fmt: skip
-TOPICS = ["a bakery", "a hardware shop", "a toy store", "a bookshop", "a clothing boutique", "a garden centre",
-          "a market stall", "a corner shop"]  # fmt: skip
+}
+TOPICS = [
+    "a bakery",
+    "a hardware shop",
+    "a toy store",
+    "a bookshop",
+    "a clothing boutique",
+    "a garden centre",
+    "a market stall",
+    "a corner shop",
+]
 
 
 def _prompts(llm: LLM, streams: int) -> list[list[int]]:
     tok = llm.get_tokenizer()
     return [
-        tok.apply_chat_template([{"role": "user",
-                                  "content": f"Write the product catalogue of {TOPICS[i % len(TOPICS)]} "
-                                             f"(number {i}) as JSON."}],
-                                add_generation_prompt=True, tokenize=True)
+        tok.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": f"Write the product catalogue of {TOPICS[i % len(TOPICS)]} "
+                    f"(number {i}) as JSON.",
+                }
+            ],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         for i in range(streams)
-    ]  # fmt: skip
+    ]
 
 
 def _decode_rate(outputs) -> tuple[float, list[int]]:
@@ -112,16 +129,23 @@ def run(llm: LLM, streams: int, repeats: int) -> dict:
             mask_cpu_us[kind].append((masks.fill_seconds - fill) / max(masks.num_rows - rows, 1) * 1e6)
             mask_step_us[kind].append((masks.wait_seconds - wait) / max(masks.num_steps - steps, 1) * 1e6)
     masks.overlap = True  # back to the default
-    result = {"streams": streams, "free_tok_s": statistics.median(rates["free"]),
-              "mean_output_tokens": statistics.mean(lengths),
-              # Outputs that hit max_tokens before their JSON closed (the model rambling inside
-              # a string): still decoded under the grammar, and their free twins as long.
-              "truncated_outputs": sum(o.outputs[0].finish_reason != "stop" for o in warm)}  # fmt: skip
+    result = {
+        "streams": streams,
+        "free_tok_s": statistics.median(rates["free"]),
+        "mean_output_tokens": statistics.mean(lengths),
+        # Outputs that hit max_tokens before their JSON closed (the model rambling inside
+        # a string): still decoded under the grammar, and their free twins as long.
+        "truncated_outputs": sum(o.outputs[0].finish_reason != "stop" for o in warm),
+    }
     for kind in kinds[1:]:
         ratios = [c / f for c, f in zip(rates[kind], rates["free"])]
-        result[kind] = {"tok_s": statistics.median(rates[kind]), "ratio": statistics.median(ratios),
-                        "ratios": ratios, "mask_cpu_us_per_token": statistics.median(mask_cpu_us[kind]),
-                        "mask_us_per_step_after_forward": statistics.median(mask_step_us[kind])}  # fmt: skip
+        result[kind] = {
+            "tok_s": statistics.median(rates[kind]),
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "mask_cpu_us_per_token": statistics.median(mask_cpu_us[kind]),
+            "mask_us_per_step_after_forward": statistics.median(mask_step_us[kind]),
+        }
     return result
 
 
@@ -136,8 +160,12 @@ def compile_times(llm: LLM) -> dict:
         start = time.perf_counter()
         backend.compile(StructuredOutputsParams(json=schema))
         times.append((time.perf_counter() - start) * 1e3)
-    return {"tokenizer_setup_ms": setup * 1e3, "compile_ms_median": statistics.median(times),
-            "compile_ms_max": max(times), "num_schemas": len(times)}  # fmt: skip
+    return {
+        "tokenizer_setup_ms": setup * 1e3,
+        "compile_ms_median": statistics.median(times),
+        "compile_ms_max": max(times),
+        "num_schemas": len(times),
+    }
 
 
 def main() -> None:
@@ -151,19 +179,25 @@ def main() -> None:
     llm = LLM(quantization="auto", large_step_quantization="w8a8", progress=False)
     results = {"compile": compile_times(llm), "decode": []}
     c = results["compile"]
-    print(f"grammar compile ({c['num_schemas']} schemas, cold): median {c['compile_ms_median']:.1f} ms, "
-          f"max {c['compile_ms_max']:.1f} ms; xgrammar import + tokenizer table "
-          f"{c['tokenizer_setup_ms']:.0f} ms once")  # fmt: skip
-    print(f"{'streams':>7} {'free tok/s':>10} {'mode':>13} {'tok/s':>7} {'ratio':>6} {'tokens':>6} "
-          f"{'mask us/tok':>11} {'after fwd us/step':>17} {'cut':>4}")  # fmt: skip
+    print(
+        f"grammar compile ({c['num_schemas']} schemas, cold): median {c['compile_ms_median']:.1f} ms, "
+        f"max {c['compile_ms_max']:.1f} ms; xgrammar import + tokenizer table "
+        f"{c['tokenizer_setup_ms']:.0f} ms once"
+    )
+    print(
+        f"{'streams':>7} {'free tok/s':>10} {'mode':>13} {'tok/s':>7} {'ratio':>6} {'tokens':>6} "
+        f"{'mask us/tok':>11} {'after fwd us/step':>17} {'cut':>4}"
+    )
     for streams in (int(s) for s in args.streams.split(",")):
         r = run(llm, streams, args.repeats)
         results["decode"].append(r)
         for kind in ("json", "json+overlap"):
             m = r[kind]
-            print(f"{streams:>7} {r['free_tok_s']:>10.1f} {kind:>13} {m['tok_s']:>7.1f} {m['ratio']:>6.3f} "
-                  f"{r['mean_output_tokens']:>6.0f} {m['mask_cpu_us_per_token']:>11.1f} "
-                  f"{m['mask_us_per_step_after_forward']:>17.1f} {r['truncated_outputs']:>4}")  # fmt: skip
+            print(
+                f"{streams:>7} {r['free_tok_s']:>10.1f} {kind:>13} {m['tok_s']:>7.1f} {m['ratio']:>6.3f} "
+                f"{r['mean_output_tokens']:>6.0f} {m['mask_cpu_us_per_token']:>11.1f} "
+                f"{m['mask_us_per_step_after_forward']:>17.1f} {r['truncated_outputs']:>4}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -63,12 +63,28 @@ CPUS = os.cpu_count() or 2
 
 BUILD_TARGETS = ["llama-server", "llama-quantize", "llama-bench"]
 # No network at build time: no curl/openssl, no web UI download; static binaries.
-COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DBUILD_SHARED_LIBS=OFF"]  # fmt: skip
+COMMON_CMAKE = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
 # ggml/CMakeLists.txt's x86 options, and those each level turns on (the others are set OFF).
-X86_OPTIONS = ["AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VNNI", "AVX512_BF16",
-               "AMX_TILE", "AMX_INT8", "AMX_BF16"]  # fmt: skip
+X86_OPTIONS = [
+    "AVX",
+    "AVX2",
+    "FMA",
+    "F16C",
+    "AVX512",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AMX_TILE",
+    "AMX_INT8",
+    "AMX_BF16",
+]
 _AVX2 = ("AVX", "AVX2", "FMA", "F16C")
 LEVEL_OPTIONS: dict[str, tuple[str, ...]] = {
     "avx2": _AVX2,
@@ -226,8 +242,15 @@ def ensure_random_1b(model_dir: Path, llama: dict[str, Any]) -> Path:
         write_random_1b(hf_dir)
     src = Path(llama["src_dir"])
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-    convert = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f16",
-               "--outfile", str(f16)]  # fmt: skip
+    convert = [
+        sys.executable,
+        str(src / "convert_hf_to_gguf.py"),
+        str(hf_dir),
+        "--outtype",
+        "f16",
+        "--outfile",
+        str(f16),
+    ]
     quantize = [
         str(Path(llama["bin_dir"]) / "llama-quantize"),
         str(f16),
@@ -288,8 +311,12 @@ def measure_roof(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
     else:
         args.notes.append(f"read bandwidth: other programs used {other:.2f} cores while it was measured")
     weights = weight_bytes_per_token(gguf)
-    return {"read_bytes_per_s": bandwidth, "weight_bytes_per_token": weights, "tok_s": bandwidth / weights,
-            "other_cores": other}  # fmt: skip
+    return {
+        "read_bytes_per_s": bandwidth,
+        "weight_bytes_per_token": weights,
+        "tok_s": bandwidth / weights,
+        "other_cores": other,
+    }
 
 
 # ---- servers ---------------------------------------------------------------------------------------
@@ -299,16 +326,45 @@ def start_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path,
     port = free_port()
     env = dict(os.environ)
     if name == "fornax":
-        cmd = [sys.executable, "-m", "fornax.cli", "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--quantization", "auto", "--large-step-quantization", "w8a8", "--max-num-seqs", "64",
-               "--no-access-log", "--log-level", "warning"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "fornax.cli",
+            "serve",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--quantization",
+            "auto",
+            "--large-step-quantization",
+            "w8a8",
+            "--max-num-seqs",
+            "64",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
         if args.level != "native":
             env["FORNAX_ISA"] = args.level
     else:
         llama_server = str(Path(args.llama_info["bin_dir"]) / "llama-server")
         threads = ["-t", str(args.threads), "-tb", str(args.threads)]
-        cmd = [llama_server, "-m", str(gguf), "-np", "32", "-c", "16384", *threads,
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        cmd = [
+            llama_server,
+            "-m",
+            str(gguf),
+            "-np",
+            "32",
+            "-c",
+            "16384",
+            *threads,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
     server = ServerProcess(name, cmd, port, log_dir / f"{name}-{tag}.log", env)
     try:
         server.wait_ready(timeout_s=args.ready_timeout)
@@ -405,9 +461,12 @@ def run_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path, r
                 watch = OtherWork()
                 m = asyncio.run(measure_level(server.url, c, args.seed, args.request_timeout))
                 m["other_cores"], m["attempts"] = watch.cores(), attempt + 1
-                print(f"  round {rnd} {name:6s} c={c:<3d} {m['output_tok_s']:8.1f} tok/s  "
-                      f"TTFT p50 {m['ttft_p50_ms']:7.0f} ms  TPOT p50 {m['tpot_p50_ms']:6.1f} ms  "
-                      f"other work {m['other_cores']:.2f} cores", file=sys.stderr)  # fmt: skip
+                print(
+                    f"  round {rnd} {name:6s} c={c:<3d} {m['output_tok_s']:8.1f} tok/s  "
+                    f"TTFT p50 {m['ttft_p50_ms']:7.0f} ms  TPOT p50 {m['tpot_p50_ms']:6.1f} ms  "
+                    f"other work {m['other_cores']:.2f} cores",
+                    file=sys.stderr,
+                )
                 if m["other_cores"] <= OTHER_WORK_CORES:
                     break
             else:
@@ -500,15 +559,19 @@ def median_of(rounds: list[dict[str, Any]], name: str, c: int, key: str) -> floa
 
 
 def format_table(rounds: list[dict[str, Any]], streams: list[int]) -> str:
-    lines = ["| streams | llama-server tok/s | fornax tok/s | fornax / llama | TTFT p50 ms llama / fornax "
-             "| TPOT p50 ms llama / fornax |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| streams | llama-server tok/s | fornax tok/s | fornax / llama | TTFT p50 ms llama / fornax "
+        "| TPOT p50 ms llama / fornax |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for c in streams:
         llama, fornax = (median_of(rounds, n, c, "output_tok_s") for n in ("llama", "fornax"))
         ttft = [median_of(rounds, n, c, "ttft_p50_ms") for n in ("llama", "fornax")]
         tpot = [median_of(rounds, n, c, "tpot_p50_ms") for n in ("llama", "fornax")]
-        lines.append(f"| {c} | {llama:.1f} | {fornax:.1f} | {fornax / llama:.2f}x | {ttft[0]:.0f} / {ttft[1]:.0f} "
-                     f"| {tpot[0]:.1f} / {tpot[1]:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {c} | {llama:.1f} | {fornax:.1f} | {fornax / llama:.2f}x | {ttft[0]:.0f} / {ttft[1]:.0f} "
+            f"| {tpot[0]:.1f} / {tpot[1]:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -524,13 +587,24 @@ def parse_streams(text: str) -> list[int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default",
-                   help="'default' (the default model's GGUF), '1b' (random weights, Llama-3.2-1B's "
-                        "shapes, Q4_K_M) or a GGUF path")  # fmt: skip
-    p.add_argument("--level", choices=LEVELS, default="avx2",
-                   help="instruction-set level of the llama.cpp build and FORNAX_ISA")  # fmt: skip
-    p.add_argument("--llama-cache", type=Path, default=None,
-                   help=f"llama.cpp build directory (default {CACHE_ROOT}/llama.cpp-<version>-<level>)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the default model's GGUF), '1b' (random weights, Llama-3.2-1B's "
+        "shapes, Q4_K_M) or a GGUF path",
+    )
+    p.add_argument(
+        "--level",
+        choices=LEVELS,
+        default="avx2",
+        help="instruction-set level of the llama.cpp build and FORNAX_ISA",
+    )
+    p.add_argument(
+        "--llama-cache",
+        type=Path,
+        default=None,
+        help=f"llama.cpp build directory (default {CACHE_ROOT}/llama.cpp-<version>-<level>)",
+    )
     p.add_argument(
         "--streams", type=parse_streams, default=[1, 8, 32], help="concurrent streams, e.g. 1,8,32"
     )
@@ -541,10 +615,18 @@ def main() -> int:
     p.add_argument(
         "--build-only", action="store_true", help="build llama.cpp (and the --model 1b GGUF) and stop"
     )
-    p.add_argument("--wait-idle", type=float, default=900.0,
-                   help="seconds to wait, before each level, for other programs to leave the CPUs")  # fmt: skip
-    p.add_argument("--retries", type=int, default=2,
-                   help="times a level is measured again when other programs used CPU during it")  # fmt: skip
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=900.0,
+        help="seconds to wait, before each level, for other programs to leave the CPUs",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="times a level is measured again when other programs used CPU during it",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every round's figures here")
     p.add_argument(
         "--log-dir", type=Path, default=None, help="server logs (default: a fresh temporary directory)"
@@ -598,19 +680,25 @@ def main() -> int:
     print(f"CPU: {cpu_model()} ({CPUS} CPUs); ISA flags: {isa_flags() or '(none of avx2/avx512/amx)'}")
     isa_env = args.level if args.level != "native" else "(unset)"
     print(f"{llama_version}, level {args.level}; fornax with FORNAX_ISA={isa_env}")
-    print(f"load: /v1/completions, streamed, prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[1]} random words, "
-          f"{OUTPUT_TOKENS} greedy tokens ignoring EOS, 2 x streams requests after a warm-up")  # fmt: skip
+    print(
+        f"load: /v1/completions, streamed, prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[1]} random words, "
+        f"{OUTPUT_TOKENS} greedy tokens ignoring EOS, 2 x streams requests after a warm-up"
+    )
     print()
     print(format_table(rounds, args.streams))
     levels = [m for r in rounds for by_level in r.values() for m in by_level.values()]
     tokens = sorted({n for m in levels for n in m["output_tokens_per_request"]})
     chunks = [n for m in levels for n in m["chunks_per_request"]]
-    print(f"\noutput tokens per request, from the servers' usage: {', '.join(map(str, tokens))}; "
-          f"streamed text chunks per request: {min(chunks, default=0)}-{max(chunks, default=0)}")  # fmt: skip
+    print(
+        f"\noutput tokens per request, from the servers' usage: {', '.join(map(str, tokens))}; "
+        f"streamed text chunks per request: {min(chunks, default=0)}-{max(chunks, default=0)}"
+    )
     if roof:
-        print(f"\nmemory-bandwidth roof, one decode stream: {roof['tok_s']:.1f} tok/s "
-              f"({roof['read_bytes_per_s'] / 1e9:.1f} GB/s read / {roof['weight_bytes_per_token'] / 1e6:.1f} MB "
-              "of weights per token)")  # fmt: skip
+        print(
+            f"\nmemory-bandwidth roof, one decode stream: {roof['tok_s']:.1f} tok/s "
+            f"({roof['read_bytes_per_s'] / 1e9:.1f} GB/s read / {roof['weight_bytes_per_token'] / 1e6:.1f} MB "
+            "of weights per token)"
+        )
     if args.model == "1b":
         print("note: random weights: these figures are speed only; no quality figure comes from this model")
     for note in notes:

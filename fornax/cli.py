@@ -40,8 +40,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=default["temperature"])
     p.add_argument("--top-p", type=float, default=default["top_p"])
     p.add_argument("--top-k", type=int, default=default["top_k"])
-    p.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=default["seed"],
-                   help="the request's sampling seed")  # fmt: skip
+    p.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        metavar="SEED",
+        type=int,
+        default=default["seed"],
+        help="the request's sampling seed",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,8 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.raw or tok.chat_template is None:
         ids = tok.encode(args.prompt)
     else:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True)  # fmt: skip
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        )
     _stream(llm, ids, _sampling(args))
 
 
@@ -215,11 +222,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # The errors a user can cause, by the module that declares each: a bad flag, an unknown or
 # broken model, a bad sampling parameter, a prompt the engine refuses, a broken chat template.
 # A ValueError of any other kind is a bug and keeps its traceback.
-_USER_ERRORS = (("fornax.models.registry", "ModelSourceError"), ("fornax.models.loader", "ModelLoadError"),
-                ("fornax.gguf_file", "GGUFFormatError"), ("fornax.engine.request", "SamplingParamsError"),
-                ("fornax.engine.request", "RequestRejected"), ("fornax.chat_template", "ChatTemplateError"),
-                ("fornax.models.lora", "AdapterError"),
-                ("fornax.bench", "BenchUsageError"))  # fmt: skip
+_USER_ERRORS = (
+    ("fornax.models.registry", "ModelSourceError"),
+    ("fornax.models.loader", "ModelLoadError"),
+    ("fornax.gguf_file", "GGUFFormatError"),
+    ("fornax.engine.request", "SamplingParamsError"),
+    ("fornax.engine.request", "RequestRejected"),
+    ("fornax.chat_template", "ChatTemplateError"),
+    ("fornax.models.lora", "AdapterError"),
+    ("fornax.bench", "BenchUsageError"),
+)
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -236,16 +248,25 @@ def user_errors() -> tuple[type[Exception], ...]:
 
 
 # Commands whose handler lives in another module, imported only when the command runs.
-_HANDLER_MODULES = {"bench": ("fornax.bench.cli", "run_bench"), "cluster": ("fornax.cluster.cli", "run_cluster"),
-                    "router": ("fornax.router.cli", "cmd_router")}  # fmt: skip
+_HANDLER_MODULES = {
+    "bench": ("fornax.bench.cli", "run_bench"),
+    "cluster": ("fornax.cluster.cli", "run_cluster"),
+    "router": ("fornax.router.cli", "cmd_router"),
+}
 
 
 def handler(command: str) -> Callable[[argparse.Namespace], int | None]:
     if command in _HANDLER_MODULES:
         module, name = _HANDLER_MODULES[command]
         return getattr(importlib.import_module(module), name)
-    commands = {"pull": cmd_pull, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "memory": cmd_memory, "worker": cmd_worker}  # fmt: skip
+    commands = {
+        "pull": cmd_pull,
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "serve": cmd_serve,
+        "memory": cmd_memory,
+        "worker": cmd_worker,
+    }
     return commands[command]
 
 

@@ -321,8 +321,14 @@ class EngineArgs:
         """Add the engine flags of `command` (its COMMAND_OVERRIDES applied) to `parser`:
         those of `groups`, less the fields in `exclude` (a flag the command spells for
         something else)."""
-        add_fields(cls, parser, own_group=MODEL, groups=groups, exclude=exclude,
-                   overrides=COMMAND_OVERRIDES.get(command))  # fmt: skip
+        add_fields(
+            cls,
+            parser,
+            own_group=MODEL,
+            groups=groups,
+            exclude=exclude,
+            overrides=COMMAND_OVERRIDES.get(command),
+        )
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -28,11 +28,18 @@ GGUF_MAGIC = b"GGUF"
 # struct format characters, without a byte order; numpy reads the same codes (with "<"/">"
 # in front, their sizes are the standard ones: I is 4 bytes, Q is 8).
 _SCALARS: dict[int, str] = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
-}  # fmt: skip
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
 # Limits on what the header may claim, checked before anything is read or sized from it, so a
 # hostile file fails with a clear message instead of a huge allocation, a deep recursion or a
 # long loop. Counts are also bounded by the bytes left in the file (each item takes at least

@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fornax.engine.core import EngineCore, build_engine_core
+from fornax.engine.build import build_engine_core
+from fornax.engine.core import EngineCore
 from fornax.engine.lora import LoRARequest
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.pooling import PoolingParams
@@ -44,8 +45,10 @@ class LLM:
         the same defaults. `progress`: show the model's loading progress."""
         unknown = sorted(set(engine_args) - EngineArgs.names())
         if unknown:
-            raise TypeError(f"LLM() got unknown engine argument(s) {unknown}: the engine's settings are "
-                            "the fields of EngineArgs (fornax/engine_args.py)")  # fmt: skip
+            raise TypeError(
+                f"LLM() got unknown engine argument(s) {unknown}: the engine's settings are "
+                "the fields of EngineArgs (fornax/engine_args.py)"
+            )
         self.engine_args = EngineArgs(model=model, dtype=dtype, **engine_args)
         self.engine: EngineCore = build_engine_core(
             self.engine_args.create_engine_config(), progress=progress

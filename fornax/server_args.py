@@ -181,17 +181,24 @@ class ServerArgs:
         limits = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["group"] == LIMITS}
         limits["privileged_keys"] = tuple(limits.pop("privileged_key") or ())
         return ServerConfig(
-            host=self.host, port=self.port, served_model_names=served_model_names,
-            max_loaded_models=self.max_loaded_models, model_load_timeout_s=self.model_load_timeout,
-            api_keys=self.api_keys(), admin_keys=self.admin_keys(), prefix_cache_scope=self.prefix_cache_scope,
+            host=self.host,
+            port=self.port,
+            served_model_names=served_model_names,
+            max_loaded_models=self.max_loaded_models,
+            model_load_timeout_s=self.model_load_timeout,
+            api_keys=self.api_keys(),
+            admin_keys=self.admin_keys(),
+            prefix_cache_scope=self.prefix_cache_scope,
             rate_limits=load_key_limits(self.key_limits, self.rate_limit_rpm, self.rate_limit_tpm),
-            public_metrics=self.public_metrics, access_log=self.access_log, log_level=self.log_level,
+            public_metrics=self.public_metrics,
+            access_log=self.access_log,
+            log_level=self.log_level,
             shutdown_timeout_s=self.shutdown_timeout,
             tool_call_parser=None if self.tool_call_parser == "auto" else self.tool_call_parser,
             reasoning_parser=None if self.reasoning_parser == "auto" else self.reasoning_parser,
             max_stored_responses=self.max_stored_responses,
             **limits,
-        )  # fmt: skip
+        )
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -217,8 +224,10 @@ def served_names(models: list[str], given: list[str] | None) -> list[tuple[str, 
     if len(models) == 1:
         return [tuple(given)]
     if len(given) != len(models):
-        raise ConfigError(f"{len(models)} models need {len(models)} --served-model-name values, one per "
-                          f"model in order; got {len(given)}")  # fmt: skip
+        raise ConfigError(
+            f"{len(models)} models need {len(models)} --served-model-name values, one per "
+            f"model in order; got {len(given)}"
+        )
     if len(set(given)) != len(given):
         raise ConfigError("--served-model-name values must differ between models")
     return [(n,) for n in given]

@@ -51,10 +51,17 @@ _CHAR_TO_BYTE = {c: b for b, c in _byte_alphabet().items()}
 
 def _split_regex(digits: str) -> str:
     """The Llama-3 style split; Qwen2 differs only in taking digits one at a time."""
-    return "|".join([
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)", r"[^\r\n\p{L}\p{N}]?\p{L}+", digits,
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
-    ])  # fmt: skip
+    return "|".join(
+        [
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",
+            r"[^\r\n\p{L}\p{N}]?\p{L}+",
+            digits,
+            r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+            r"\s*[\r\n]+",
+            r"\s+(?!\S)",
+            r"\s+",
+        ]
+    )
 
 
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "smaug-bpe", "dbrx"}
@@ -104,10 +111,16 @@ def _tokenizer_from_gguf(meta: dict[str, Any]) -> HFTokenizer:
     else:
         hf = _sentencepiece_bpe(meta, tokens, vocab)
     types = meta.get("tokenizer.ggml.token_type") or []
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                           for i, t in enumerate(types) if t == _CONTROL])  # fmt: skip
-    hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                   for i, t in enumerate(types) if t == _USER_DEFINED])  # fmt: skip
+    hf.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    hf.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == _USER_DEFINED
+        ]
+    )
     return hf
 
 
@@ -349,12 +362,15 @@ class Tokenizer:
         if not source:
             raise ChatTemplateError("this model has no chat template; use completions with a plain prompt")
         context = {
-            "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
             "pad_token": self._token_or_none(self.pad_token_id) or "",
             "unk_token": self._token_or_none(self.unk_token_id) or "",
-            **extra, "messages": flatten_messages(messages), "tools": tools,
+            **extra,
+            "messages": flatten_messages(messages),
+            "tools": tools,
             "add_generation_prompt": add_generation_prompt,
-        }  # fmt: skip
+        }
         text = render_chat_template(source, context)
         # The template writes BOS itself where the model wants it; adding one again would double it.
         return self.encode(text, add_special_tokens=False) if tokenize else text

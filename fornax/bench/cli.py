@@ -48,12 +48,17 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True,
-                   help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok)")  # fmt: skip
+    p.add_argument(
+        "--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok)"
+    )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--model", default=None, help="model name to request (default: first of GET /v1/models)")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                   help="/v1/chat/completions or /v1/completions")  # fmt: skip
+    p.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="/v1/chat/completions or /v1/completions",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take in all")
     d = p.add_argument_group("workload")
@@ -63,34 +68,61 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--num-warmups", type=int, default=0, help="requests sent first and not counted")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--random-input-len", type=int, default=256)
-    d.add_argument("--random-output-len", type=int, default=128,
-                   help="output length for random and prefix-repetition")  # fmt: skip
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths vary uniformly within +-ratio of the mean")  # fmt: skip
+    d.add_argument(
+        "--random-output-len", type=int, default=128, help="output length for random and prefix-repetition"
+    )
+    d.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths vary uniformly within +-ratio of the mean",
+    )
     d.add_argument("--prefix-len", type=int, default=256)
     d.add_argument("--num-prefixes", type=int, default=4)
     d.add_argument("--suffix-len", type=int, default=32)
-    d.add_argument("--output-len", type=int, default=None,
-                   help="override the output length of sharegpt / builtin prompts")  # fmt: skip
+    d.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="override the output length of sharegpt / builtin prompts",
+    )
     d.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="force exactly max_tokens (default: on for random/prefix-repetition, off otherwise)",
     )
-    d.add_argument("--tokenize-calibration", action=argparse.BooleanOptionalAction, default=True,
-                   help="size random text with the server's POST /tokenize when it has one")  # fmt: skip
+    d.add_argument(
+        "--tokenize-calibration",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="size random text with the server's POST /tokenize when it has one",
+    )
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=float, default=math.inf,
-                   help="mean req/s (default inf: all at once)")  # fmt: skip
-    a.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular")  # fmt: skip
+    a.add_argument(
+        "--request-rate", type=float, default=math.inf, help="mean req/s (default inf: all at once)"
+    )
+    a.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular",
+    )
     a.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight")
-    a.add_argument("--sweep-concurrency", default=None, metavar="N,N,...",
-                   help="run once per max-concurrency level, e.g. 1,4,16,64")  # fmt: skip
+    a.add_argument(
+        "--sweep-concurrency",
+        default=None,
+        metavar="N,N,...",
+        help="run once per max-concurrency level, e.g. 1,4,16,64",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, keys ttft, tpot, e2el, e.g. ttft:500 tpot:50")  # fmt: skip
+    o.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, keys ttft, tpot, e2el, e.g. ttft:500 tpot:50",
+    )
     o.add_argument("--json", default=None, metavar="FILE", help="write summary + per-request results")
     o.add_argument("--plot", default=None, metavar="FILE.png", help="write latency CDFs / sweep chart")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -127,12 +159,19 @@ def _check_args(args: argparse.Namespace) -> None:
 def build_workload(args: argparse.Namespace, tokens_per_word: float) -> list[workloads.BenchRequest]:
     n, seed = args.num_prompts, args.seed
     if args.dataset == "random":
-        reqs = workloads.random_workload(n, args.random_input_len, args.random_output_len,
-                                         args.random_range_ratio, seed, tokens_per_word)  # fmt: skip
+        reqs = workloads.random_workload(
+            n, args.random_input_len, args.random_output_len, args.random_range_ratio, seed, tokens_per_word
+        )
     elif args.dataset == "prefix-repetition":
         reqs = workloads.prefix_repetition_workload(
-            n, args.prefix_len, args.num_prefixes, args.suffix_len, args.random_output_len, seed,
-            tokens_per_word)  # fmt: skip
+            n,
+            args.prefix_len,
+            args.num_prefixes,
+            args.suffix_len,
+            args.random_output_len,
+            seed,
+            tokens_per_word,
+        )
     elif args.dataset == "sharegpt":
         reqs = workloads.sharegpt_workload(args.dataset_path, n, seed, args.output_len)
     else:
@@ -158,12 +197,18 @@ async def _calibrate(args: argparse.Namespace, base_url: str, model: str) -> flo
 Run = tuple[int | None, Summary, list[RequestResult]]  # (max concurrency, summary, results)
 
 
-async def _one_run(target: Target, reqs: list[workloads.BenchRequest], offsets: np.ndarray,
-                   args: argparse.Namespace, concurrency: int | None,
-                   desc: str) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def _one_run(
+    target: Target,
+    reqs: list[workloads.BenchRequest],
+    offsets: np.ndarray,
+    args: argparse.Namespace,
+    concurrency: int | None,
+    desc: str,
+) -> tuple[list[RequestResult], float]:
     with tqdm(total=len(reqs), desc=desc, disable=args.no_progress, file=sys.stderr, unit="req") as bar:
-        return await bench_client.run_load(target, reqs, offsets, concurrency, args.timeout,
-                                           on_done=lambda _r: bar.update(1))  # fmt: skip
+        return await bench_client.run_load(
+            target, reqs, offsets, concurrency, args.timeout, on_done=lambda _r: bar.update(1)
+        )
 
 
 async def _warm_up(target: Target, reqs: list[workloads.BenchRequest], args: argparse.Namespace) -> None:
@@ -179,8 +224,12 @@ async def _warm_up(target: Target, reqs: list[workloads.BenchRequest], args: arg
 def _config(args: argparse.Namespace, model: str, base_url: str, tpw: float) -> dict[str, Any]:
     cfg = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
     cfg.pop("api_key", None)  # never write a secret into a report
-    cfg.update(model=model, base_url=base_url, tokens_per_word=tpw,
-               started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))  # fmt: skip
+    cfg.update(
+        model=model,
+        base_url=base_url,
+        tokens_per_word=tpw,
+        started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    )
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in cfg.items()}
 
 

@@ -153,8 +153,14 @@ async def _read_stream(resp: httpx.Response, target: Target, t0: float, result: 
         result.output_chars += len(text)
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequest, index: int,
-                       run_start: float, timeout_s: float | None = None) -> RequestResult:  # fmt: skip
+async def send_request(
+    client: httpx.AsyncClient,
+    target: Target,
+    req: BenchRequest,
+    index: int,
+    run_start: float,
+    timeout_s: float | None = None,
+) -> RequestResult:
     """Stream one request and time it; every failure is returned, never raised."""
     t0 = time.perf_counter()
     result = RequestResult(index=index, success=False, start_s=t0 - run_start, prompt_tokens=req.prompt_len)
@@ -203,10 +209,14 @@ def make_client(max_concurrency: int | None, timeout_s: float | None) -> httpx.A
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=timeout_s))
 
 
-async def run_load(target: Target, requests: list[BenchRequest], offsets: np.ndarray,
-                   max_concurrency: int | None = None, timeout_s: float | None = None,
-                   on_done: Callable[[RequestResult], None] | None = None,
-                   ) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_load(
+    target: Target,
+    requests: list[BenchRequest],
+    offsets: np.ndarray,
+    max_concurrency: int | None = None,
+    timeout_s: float | None = None,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send `requests[i]` at `offsets[i]` seconds after the start (and when a slot is free).
 
     Returns the results in request order and the run's duration: from the first send to the
@@ -249,8 +259,9 @@ async def fetch_first_model(base_url: str, api_key: str | None, timeout_s: float
         return None
 
 
-async def tokens_per_word(base_url: str, model: str, api_key: str | None, sample: str,
-                          timeout_s: float = 10.0) -> float | None:  # fmt: skip
+async def tokens_per_word(
+    base_url: str, model: str, api_key: str | None, sample: str, timeout_s: float = 10.0
+) -> float | None:
     """Tokens per word of `sample` by the server's POST /tokenize, or None if it has none."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "prompt": sample, "add_special_tokens": False}

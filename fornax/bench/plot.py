@@ -70,8 +70,14 @@ def _throughput_panel(ax: Any, results: list[RequestResult], summary: Summary) -
     ok = [r for r in results if r.success and r.e2el_s is not None]
     twin = ax.twinx()
     twin.set_ylabel("E2E latency per request (ms)", color="tab:red")
-    twin.scatter([r.start_s for r in ok], [(r.e2el_s or 0.0) * 1000 for r in ok], s=8, color="tab:red",
-                 alpha=0.6, label="E2E (by send time)")  # fmt: skip
+    twin.scatter(
+        [r.start_s for r in ok],
+        [(r.e2el_s or 0.0) * 1000 for r in ok],
+        s=8,
+        color="tab:red",
+        alpha=0.6,
+        label="E2E (by send time)",
+    )
     failed = [r.start_s for r in results if not r.success]
     if failed:
         twin.scatter(failed, [0.0] * len(failed), marker="x", color="black", label="failed")
@@ -87,8 +93,10 @@ def plot_run(results: list[RequestResult], summary: Summary, path: str | Path, t
     _cdf(axes[0][1], [g for r in ok for g in r.itl_s], "ITL CDF")
     _cdf(axes[1][0], [r.e2el_s for r in ok if r.e2el_s is not None], "E2E latency CDF")
     _throughput_panel(axes[1][1], results, summary)
-    fig.suptitle(title or f"{summary.completed} ok / {summary.failed} failed, "
-                 f"{summary.output_throughput:.1f} output tok/s")  # fmt: skip
+    fig.suptitle(
+        title
+        or f"{summary.completed} ok / {summary.failed} failed, {summary.output_throughput:.1f} output tok/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -99,8 +107,10 @@ def plot_sweep(levels: list[tuple[int, Summary]], path: str | Path, title: str =
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     x = [s.output_throughput for _, s in levels]
-    for ax, name, ys in ((axes[0], "median TTFT (ms)", [s.ttft_ms.median for _, s in levels]),
-                         (axes[1], "median TPOT (ms)", [s.tpot_ms.median for _, s in levels])):  # fmt: skip
+    for ax, name, ys in (
+        (axes[0], "median TTFT (ms)", [s.ttft_ms.median for _, s in levels]),
+        (axes[1], "median TPOT (ms)", [s.tpot_ms.median for _, s in levels]),
+    ):
         ax.plot(x, ys, marker="o")
         for (conc, _), xi, yi in zip(levels, x, ys):
             if math.isfinite(xi) and math.isfinite(yi):

@@ -102,8 +102,9 @@ def meets_slos(r: RequestResult, slos_ms: dict[str, float]) -> bool:
     return all(measured[k] * 1000.0 <= limit for k, limit in slos_ms.items())
 
 
-def summarize(results: list[RequestResult], duration_s: float,
-              slos_ms: dict[str, float] | None = None) -> Summary:  # fmt: skip
+def summarize(
+    results: list[RequestResult], duration_s: float, slos_ms: dict[str, float] | None = None
+) -> Summary:
     ok = [r for r in results if r.success]
     slos_ms = slos_ms or {}
     dur = duration_s if duration_s > 0 else math.nan
@@ -161,13 +162,32 @@ def format_table(s: Summary, title: str = "Serving benchmark") -> str:
 
 
 def format_sweep_table(levels: list[tuple[int, Summary]]) -> str:
-    cols = ("concurrency", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-            "ITL p50", "E2E p50")  # fmt: skip
+    cols = (
+        "concurrency",
+        "ok",
+        "failed",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p50",
+        "E2E p50",
+    )
     lines = ["".join(f"{c:>12}" for c in cols), "-" * 12 * len(cols)]
     for conc, s in levels:
-        vals = (str(conc), str(s.completed), str(s.failed), _fmt(s.request_throughput),
-                _fmt(s.output_throughput, 1), _fmt(s.ttft_ms.median, 1), _fmt(s.ttft_ms.p99, 1),
-                _fmt(s.tpot_ms.median, 1), _fmt(s.itl_ms.median, 1), _fmt(s.e2el_ms.median, 1))  # fmt: skip
+        vals = (
+            str(conc),
+            str(s.completed),
+            str(s.failed),
+            _fmt(s.request_throughput),
+            _fmt(s.output_throughput, 1),
+            _fmt(s.ttft_ms.median, 1),
+            _fmt(s.ttft_ms.p99, 1),
+            _fmt(s.tpot_ms.median, 1),
+            _fmt(s.itl_ms.median, 1),
+            _fmt(s.e2el_ms.median, 1),
+        )
         lines.append("".join(f"{v:>12}" for v in vals))
     lines.append("(latencies in ms)")
     return "\n".join(lines)

@@ -81,8 +81,14 @@ def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) ->
     return rng.integers(lo, hi + 1, size=n)
 
 
-def random_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, tokens_per_word: float = 1.0) -> list[BenchRequest]:  # fmt: skip
+def random_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    tokens_per_word: float = 1.0,
+) -> list[BenchRequest]:
     """Independent random prompts; each one starts differently so no prefix is shared."""
     if not 0.0 <= range_ratio < 1.0:
         raise BenchUsageError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -91,13 +97,21 @@ def random_workload(num_prompts: int, input_len: int, output_len: int, range_rat
     rng = np.random.default_rng(seed)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
-    return [BenchRequest(random_text(rng, int(i), tokens_per_word), int(i), int(o), ignore_eos=True)
-            for i, o in zip(in_lens, out_lens)]  # fmt: skip
+    return [
+        BenchRequest(random_text(rng, int(i), tokens_per_word), int(i), int(o), ignore_eos=True)
+        for i, o in zip(in_lens, out_lens)
+    ]
 
 
-def prefix_repetition_workload(num_prompts: int, prefix_len: int, num_prefixes: int, suffix_len: int,
-                               output_len: int, seed: int = 0,
-                               tokens_per_word: float = 1.0) -> list[BenchRequest]:  # fmt: skip
+def prefix_repetition_workload(
+    num_prompts: int,
+    prefix_len: int,
+    num_prefixes: int,
+    suffix_len: int,
+    output_len: int,
+    seed: int = 0,
+    tokens_per_word: float = 1.0,
+) -> list[BenchRequest]:
     """`num_prefixes` shared prefixes, each followed by distinct suffixes, in shuffled order.
 
     With prefix caching on, every prompt after the first with a given prefix should only
@@ -132,8 +146,13 @@ def _first_exchange(conversation: dict) -> tuple[str, str] | None:
     return None
 
 
-def sharegpt_workload(path: str | Path, num_prompts: int, seed: int = 0, output_len: int | None = None,
-                      max_prompt_len: int = 4096) -> list[BenchRequest]:  # fmt: skip
+def sharegpt_workload(
+    path: str | Path,
+    num_prompts: int,
+    seed: int = 0,
+    output_len: int | None = None,
+    max_prompt_len: int = 4096,
+) -> list[BenchRequest]:
     """Prompts from a ShareGPT-format JSON file: the first human turn, answered at the gpt turn's length.
 
     Exchanges with a prompt or answer under 4 tokens, or a prompt over `max_prompt_len`, are
@@ -167,9 +186,12 @@ def builtin_prompts() -> list[dict]:
 
 def builtin_workload(num_prompts: int, seed: int = 0, output_len: int | None = None) -> list[BenchRequest]:
     """The packaged real prompts (questions, code, summaries, CJK, ...), shuffled and cycled."""
-    pool = [BenchRequest(p["prompt"], approx_token_count(p["prompt"]), output_len or int(p["output_len"]),
-                         ignore_eos=False)
-            for p in builtin_prompts()]  # fmt: skip
+    pool = [
+        BenchRequest(
+            p["prompt"], approx_token_count(p["prompt"]), output_len or int(p["output_len"]), ignore_eos=False
+        )
+        for p in builtin_prompts()
+    ]
     return _sample(pool, num_prompts, seed)
 
 

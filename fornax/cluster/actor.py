@@ -48,8 +48,11 @@ class ReplicaActor:
         if not self._draining:
             # A server that dies on its own (engine failure: exit 1) is replaced by Ray, not
             # kept as a dead member: exiting uncleanly is what makes Ray restart the actor.
-            logger.error("fornax serve at %s exited with %s; exiting so Ray restarts this replica",
-                         self._server.url, code)  # fmt: skip
+            logger.error(
+                "fornax serve at %s exited with %s; exiting so Ray restarts this replica",
+                self._server.url,
+                code,
+            )
             os._exit(1)
 
     def url(self) -> str:

@@ -59,16 +59,21 @@ class Autoscaler:
             self._above_since = now if self._above_since is None else self._above_since
             if now - self._above_since >= p.scale_up_delay_s:
                 if replicas < p.max_replicas:
-                    return self._step(+1, f"{avg:.1f} waiting per replica > {p.target_waiting:g} "
-                                          f"for {p.scale_up_delay_s:g}s")  # fmt: skip
+                    return self._step(
+                        +1,
+                        f"{avg:.1f} waiting per replica > {p.target_waiting:g} for {p.scale_up_delay_s:g}s",
+                    )
                 return Decision(0, f"{avg:.1f} waiting per replica, but at the maximum {p.max_replicas}")
             return Decision(0, "above target, within the scale-up delay")
         if avg <= p.scale_down_waiting:
             self._above_since = None
             self._below_since = now if self._below_since is None else self._below_since
             if now - self._below_since >= p.scale_down_cooldown_s and replicas > p.min_replicas:
-                return self._step(-1, f"{avg:.1f} waiting per replica <= {p.scale_down_waiting:g} "
-                                      f"for {p.scale_down_cooldown_s:g}s")  # fmt: skip
+                return self._step(
+                    -1,
+                    f"{avg:.1f} waiting per replica <= {p.scale_down_waiting:g} "
+                    f"for {p.scale_down_cooldown_s:g}s",
+                )
             return Decision(0, "below the scale-down mark")
         self._reset()
         return Decision(0, "within the band")

@@ -79,13 +79,25 @@ def add_cluster_parser(sub: Any) -> None:
         default=s.target_waiting,
         help="scale up when the average fornax:num_requests_waiting per replica stays above this",
     )
-    g.add_argument("--scale-down-waiting", type=float, default=s.scale_down_waiting,
-                   help="scale down when it stays at or below this")  # fmt: skip
+    g.add_argument(
+        "--scale-down-waiting",
+        type=float,
+        default=s.scale_down_waiting,
+        help="scale down when it stays at or below this",
+    )
     g.add_argument("--scale-up-delay", type=float, default=s.scale_up_delay_s, help="seconds above target")
-    g.add_argument("--scale-down-cooldown", type=float, default=s.scale_down_cooldown_s,
-                   help="seconds at or below the scale-down mark")  # fmt: skip
-    g.add_argument("--max-restarts", type=int, default=r.max_restarts,
-                   help="times Ray restarts a dead replica (-1: always)")  # fmt: skip
+    g.add_argument(
+        "--scale-down-cooldown",
+        type=float,
+        default=s.scale_down_cooldown_s,
+        help="seconds at or below the scale-down mark",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=r.max_restarts,
+        help="times Ray restarts a dead replica (-1: always)",
+    )
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -117,9 +129,11 @@ def cluster_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _stop_on_signals(stop)
     s = config.scaling
-    print(f"fornax cluster: {config.replicas} replica(s) of {config.replica.model} "
-          f"(scaling {s.min_replicas}..{s.max_replicas}) behind {controller.router_url}; Ctrl-C to drain and stop",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"fornax cluster: {config.replicas} replica(s) of {config.replica.model} "
+        f"(scaling {s.min_replicas}..{s.max_replicas}) behind {controller.router_url}; Ctrl-C to drain and stop",
+        file=sys.stderr,
+    )
     try:
         controller.run(stop)
     finally:
@@ -154,12 +168,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     high = getattr(args, "max_replicas", None) or max(replicas, low)
     s = ScalingPolicy()
     scaling = ScalingPolicy(
-        min_replicas=low, max_replicas=high,
+        min_replicas=low,
+        max_replicas=high,
         target_waiting=getattr(args, "target_waiting", s.target_waiting),
         scale_down_waiting=getattr(args, "scale_down_waiting", s.scale_down_waiting),
         scale_up_delay_s=getattr(args, "scale_up_delay", s.scale_up_delay_s),
         scale_down_cooldown_s=getattr(args, "scale_down_cooldown", s.scale_down_cooldown_s),
-    )  # fmt: skip
+    )
     ray_address = getattr(args, "ray_address", None)
     serve_args, metrics_key = passthrough_args(args)
     replica = ReplicaSpec(
@@ -174,12 +189,17 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     )
     defaults = ClusterConfig(replica=replica)
     return ClusterConfig(
-        replica=replica, scaling=scaling, replicas=replicas, ray_address=ray_address,
-        router_host=args.host, router_port=args.port,
-        policy=getattr(args, "policy", DEFAULT_POLICY), router_args=tuple(router_key_args(args)),
+        replica=replica,
+        scaling=scaling,
+        replicas=replicas,
+        ray_address=ray_address,
+        router_host=args.host,
+        router_port=args.port,
+        policy=getattr(args, "policy", DEFAULT_POLICY),
+        router_args=tuple(router_key_args(args)),
         router_auth=metrics_key is not None,
         max_restarts=getattr(args, "max_restarts", defaults.max_restarts),
-    )  # fmt: skip
+    )
 
 
 def passthrough_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
@@ -200,6 +220,9 @@ def router_key_args(args: argparse.Namespace) -> list[str]:
     passes their Authorization on, so each replica still knows whose request it is."""
     pairs = [("--api-key", key) for key in args.api_key or ()]
     pairs += [("--admin-key", key) for key in args.admin_key or ()]
-    pairs += [(flag, path) for flag, path in (("--api-key-file", args.api_key_file),
-                                              ("--admin-key-file", args.admin_key_file)) if path]  # fmt: skip
+    pairs += [
+        (flag, path)
+        for flag, path in (("--api-key-file", args.api_key_file), ("--admin-key-file", args.admin_key_file))
+        if path
+    ]
     return [f"{flag}={value}" for flag, value in pairs]  # "=": a key may start with "-"

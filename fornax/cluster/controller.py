@@ -54,8 +54,12 @@ class Replica:
 
 
 class ClusterController:
-    def __init__(self, config: ClusterConfig, membership: Membership | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ClusterConfig,
+        membership: Membership | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`membership`: None starts a `fornax router` and uses its admin routes; tests may
         pass a stand-in."""
         self.config = config

@@ -24,8 +24,9 @@ def normalize(url: str) -> str:
     return url.rstrip("/")
 
 
-def diff_membership(desired: Mapping[str, Mapping[str, str]], current: Iterable[str],
-                    managed: AbstractSet[str]) -> MembershipDiff:  # fmt: skip
+def diff_membership(
+    desired: Mapping[str, Mapping[str, str]], current: Iterable[str], managed: AbstractSet[str]
+) -> MembershipDiff:
     """`desired`: URL -> tags of the replicas that should take requests (ready, not draining);
     `current`: the router's members; `managed`: the URLs this controller added."""
     want = {normalize(url): dict(tags) for url, tags in desired.items()}

@@ -55,9 +55,24 @@ class ReplicaProcess:
         spec = self.spec
         grace = spec.shutdown_timeout_s + KILL_MARGIN_S
         # The actor's flags come last: argparse keeps the last value, so they win over a pass-through.
-        return [sys.executable, "-m", "fornax.cluster.child", str(os.getpid()), str(grace),
-                "serve", spec.model, *spec.serve_args, "--host", self.host, "--port", str(self.port),
-                "--num-threads", str(spec.num_threads), "--shutdown-timeout", str(spec.shutdown_timeout_s)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "fornax.cluster.child",
+            str(os.getpid()),
+            str(grace),
+            "serve",
+            spec.model,
+            *spec.serve_args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--num-threads",
+            str(spec.num_threads),
+            "--shutdown-timeout",
+            str(spec.shutdown_timeout_s),
+        ]
 
     def start(self) -> None:
         env = {**os.environ, **dict(self.spec.env)}

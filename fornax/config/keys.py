@@ -78,8 +78,9 @@ class RateLimit:
         return self.requests_per_minute is None and self.tokens_per_minute is None
 
 
-def load_key_limits(path: str | None = None, requests_per_minute: int | None = None,
-                    tokens_per_minute: int | None = None) -> tuple[tuple[str, RateLimit], ...]:  # fmt: skip
+def load_key_limits(
+    path: str | None = None, requests_per_minute: int | None = None, tokens_per_minute: int | None = None
+) -> tuple[tuple[str, RateLimit], ...]:
     """Per-key rate limits from `--key-limits FILE` and the `--rate-limit-rpm/-tpm` defaults.
 
     The file is JSON: {"alice": {"requests_per_minute": 60, "tokens_per_minute": 20000}, "*": {...}}.

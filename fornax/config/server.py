@@ -70,8 +70,15 @@ class ServerConfig:
         for name in ("max_queued_requests", "max_stop_strings", "max_logit_bias", "max_stored_responses"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
-        for name in ("max_body_bytes", "max_n", "max_stop_string_chars", "max_messages", "max_prompts",
-                     "max_queued_sequences", "max_request_tokens"):  # fmt: skip
+        for name in (
+            "max_body_bytes",
+            "max_n",
+            "max_stop_string_chars",
+            "max_messages",
+            "max_prompts",
+            "max_queued_sequences",
+            "max_request_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -98,8 +105,10 @@ class ServerConfig:
             scope = "key" if self.api_keys or self.admin_keys else "global"
             object.__setattr__(self, "prefix_cache_scope", scope)  # still being built
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
-            raise ConfigError(f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
-                              f"got {self.prefix_cache_scope!r}")  # fmt: skip
+            raise ConfigError(
+                f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+                f"got {self.prefix_cache_scope!r}"
+            )
         known = (user_names | admin_names) or {"anonymous"}  # no keys: every client is "anonymous"
         unknown = sorted({n for n, _ in self.rate_limits} - known - {"*"})
         if unknown:

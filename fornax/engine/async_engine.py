@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fornax.config import EngineConfig
-from fornax.engine.core import EngineCore, build_engine_core
+from fornax.engine.build import build_engine_core
+from fornax.engine.core import EngineCore
 from fornax.engine.outputs import EngineOutput
 from fornax.engine.pooling import PoolingParams
 from fornax.engine.request import RequestRejected, SamplingParams

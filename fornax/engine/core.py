@@ -8,7 +8,6 @@ prompt's full blocks in the prefix cache and share them instead of recomputing t
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -17,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fornax.config import EngineConfig, default_kv_cache_memory
+from fornax.config import EngineConfig
 from fornax.engine.detokenizer import IncrementalDetokenizer
 from fornax.engine.event_tap import EventTap
 from fornax.engine.events import EventBus
-from fornax.engine.executor import Executor, LocalExecutor, make_executor
+from fornax.engine.executor import Executor, LocalExecutor
+from fornax.engine.kv.sizing import kv_cache_blocks
 from fornax.engine.lora.serving import EngineLoRA, resolve_adapter
 from fornax.engine.memory_report import MemoryReport, engine_tensors, memory_report
 from fornax.engine.outputs import EngineOutput, ModelRunnerOutput, TokenLogprobs
@@ -34,7 +34,6 @@ from fornax.engine.spec_decode.controller import SpecController
 from fornax.engine.stats import EngineStats, SequenceView
 from fornax.engine.structured.backend import GrammarBackend
 from fornax.engine.structured.spec import StructuredOutputsError
-from fornax.layers.process_memory import malloc_stats, release_free_heap
 from fornax.models import DTYPES, LoadedModel
 from fornax.tokenizer import Tokenizer
 
@@ -69,16 +68,7 @@ class EngineCore:
         dtype = DTYPES[config.dtype]
         cache = config.cache
         max_len = min(config.scheduler.max_model_len, loaded.config.max_sequence_length)
-        block_bytes = loaded.kv_cache_bytes_per_block(cache.block_size, dtype, cache.kv_cache_dtype)
-        budget = cache.kv_cache_memory
-        if budget is None:  # "auto"
-            per_token = block_bytes // cache.block_size
-            budget = default_kv_cache_memory(per_token, max_len, config.scheduler.max_num_seqs)
-        seq_blocks = config.scheduler.max_num_seqs * -(-max_len // cache.block_size)  # an encoder: no K/V
-        num_blocks = cache.num_blocks or (max(1, budget // block_bytes) if block_bytes else seq_blocks)
-        auto = " (auto)" if cache.kv_cache_memory is None else ""
-        logger.info("KV cache: %d blocks of %d tokens, %.0f MiB%s", num_blocks, cache.block_size,
-                    num_blocks * block_bytes / 2**20, auto)  # fmt: skip
+        num_blocks = kv_cache_blocks(config, loaded, dtype, max_len)
         self.cache_config = replace(cache, num_blocks=num_blocks)
         self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
         self.max_model_len = max_len
@@ -111,10 +101,24 @@ class EngineCore:
             self.runner.kv_connector = connector
         # other ranks allocate as many blocks and slots for their heads
         executor.share_sizes(num_blocks, 0 if connector is None else connector.num_host_slots)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, connector,
-                                   swap=config.offload.swap, lora_slots=self.lora and self.lora.slots)  # fmt: skip
-        target = TargetInfo(loaded, dtype, num_blocks, cache.block_size, max_len, self.runner.attention_kernel,
-                            config.small_step_max_rows or 0, executor.draft_step_to_ranks)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            self.cache_config,
+            num_blocks,
+            connector,
+            swap=config.offload.swap,
+            lora_slots=self.lora and self.lora.slots,
+        )
+        target = TargetInfo(
+            loaded,
+            dtype,
+            num_blocks,
+            cache.block_size,
+            max_len,
+            self.runner.attention_kernel,
+            config.small_step_max_rows or 0,
+            executor.draft_step_to_ranks,
+        )
         self.spec = SpecController.for_target(config.speculative, target) if config.speculative else None
         # Constrained decoding; thread-safe, so the server compiles grammars before submitting.
         self.grammars = GrammarBackend(tokenizer, loaded.config.vocab_size)
@@ -124,7 +128,7 @@ class EngineCore:
         self._pending: list[EngineOutput] = []  # outputs produced outside step() (aborts)
         self._last_step_tokens = self._last_step_seqs = 0  # batched tokens, sequences (stats())
         # Memory breakdown (engine/memory_report.py): what the tokenizer took as it loaded (set by
-        # build_engine_core, which measures it), and the files whose pages hold weights.
+        # engine/build.py, which measures it), and the files whose pages hold weights.
         self.tokenizer_bytes = 0
         path = loaded.resolved.gguf_path
         self.model_files = {str(path.resolve())} if path is not None else set()
@@ -160,15 +164,28 @@ class EngineCore:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is out of range for a vocabulary of "
-                             f"{self.model_config.vocab_size}")  # fmt: skip
+            raise RequestRejected(
+                f"prompt token id {bad[0]} is out of range for a vocabulary of {self.model_config.vocab_size}"
+            )
         if isinstance(params, PoolingParams):  # one sequence, prefill only (engine/pooling.py)
-            children = [pooling_request(request_id, prompt_token_ids, params, self.model_config,
-                                        self.config.pooling, self.max_model_len, priority, cache_salt)]  # fmt: skip
+            children = [
+                pooling_request(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    self.model_config,
+                    self.config.pooling,
+                    self.max_model_len,
+                    priority,
+                    cache_salt,
+                )
+            ]
             params = POOLING_SAMPLING  # what the detokenizer and the event tap read of it
         elif self.model_config.encoder:
-            raise RequestRejected(f"{self.model_config.name} is an encoder (embedding) model: it serves "
-                                  "pooling requests (LLM.embed, /v1/embeddings), not generation")  # fmt: skip
+            raise RequestRejected(
+                f"{self.model_config.name} is an encoder (embedding) model: it serves "
+                "pooling requests (LLM.embed, /v1/embeddings), not generation"
+            )
         else:
             children = self._sampling_children(request_id, prompt_token_ids, params, priority, cache_salt)
         adapter = resolve_adapter(self.lora, lora)  # its slot is taken at admission (scheduler)
@@ -186,8 +203,14 @@ class EngineCore:
                 self.event_tap.on_add, request_id, prompt_token_ids, params, adapter and adapter.name
             )
 
-    def _sampling_children(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           priority: int, cache_salt: str | None) -> list[Request]:  # fmt: skip
+    def _sampling_children(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> list[Request]:
         """A generation request's n sequences."""
         params.validate_against_vocab(self.model_config.vocab_size)
         structured = params.structured_outputs
@@ -198,8 +221,15 @@ class EngineCore:
         for index in range(params.n):
             child_params = params if params.n == 1 else _child_params(params, index)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            req = Request(child_id, prompt_token_ids, child_params, self.tokenizer.eos_token_ids, self.max_model_len,
-                          priority, cache_salt=cache_salt)  # fmt: skip
+            req = Request(
+                child_id,
+                prompt_token_ids,
+                child_params,
+                self.tokenizer.eos_token_ids,
+                self.max_model_len,
+                priority,
+                cache_salt=cache_salt,
+            )
             if compiled is not None:
                 req.grammar = self.grammars.new_state(compiled, gate)  # each sample follows its own tokens
             children.append(req)
@@ -331,9 +361,18 @@ class EngineCore:
             self.held.pop(cid, None)  # siblings never admitted hold no blocks
             sibling = self.seqs.pop(cid, None)
             index = sibling.index if sibling is not None else 0
-            outputs.append(EngineOutput(request_id=parent_id, index=index, new_token_ids=[], new_text="",
-                                        finished=True, finish_reason="abort", error=message,
-                                        invalid_request=invalid))  # fmt: skip
+            outputs.append(
+                EngineOutput(
+                    request_id=parent_id,
+                    index=index,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="abort",
+                    error=message,
+                    invalid_request=invalid,
+                )
+            )
         return outputs
 
     def _release_siblings(self) -> None:
@@ -458,33 +497,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The n-th sample of a request: n=1, and a distinct seed so samples differ but stay reproducible."""
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
-
-
-def build_engine_core(config: EngineConfig, progress: bool = True) -> EngineCore:
-    """Resolve and load the model and its tokenizer, then size the cache and build the core."""
-    from fornax.models import load_engine_model
-
-    # Set before loading: torch sizes its pool on first use, and the native kernels ask it.
-    torch.set_num_threads(config.threads_per_process())
-    executor = make_executor(config)  # worker ranks, if any, load their slices meanwhile
-    loaded = load_engine_model(config, progress, shard=executor.shard)
-    heap_before = malloc_stats()
-    if loaded.resolved.gguf_path is not None:
-        tokenizer = Tokenizer.from_gguf_metadata(loaded.metadata)
-        # The vocabulary and merges as Python strings (~8 MiB): the tokenizer has its own copy.
-        for key in [k for k in loaded.metadata if k.startswith("tokenizer.ggml.")]:
-            del loaded.metadata[key]
-    else:
-        assert loaded.resolved.hf_dir is not None
-        tokenizer = Tokenizer.from_pretrained_dir(loaded.resolved.hf_dir)
-    heap_after = malloc_stats()
-    core = EngineCore(config, loaded, tokenizer, executor)
-    if heap_before is not None and heap_after is not None:  # the memory breakdown's tokenizer line
-        core.tokenizer_bytes = max(0, heap_after.in_use - heap_before.in_use)
-    # What loading left (modules, weights' wrappers, the vocabulary) lives as long as the engine;
-    # freezing it keeps the cyclic collector from re-scanning it on its full passes, which
-    # took ~5% of a single-stream decode step (perf, 2026-12-03).
-    gc.collect()
-    gc.freeze()
-    release_free_heap()
-    return core

@@ -63,14 +63,25 @@ class EventTap:
             self._last_token.clear()
 
     # -- hooks called by EngineCore --
-    def on_add(self, core: EngineView, request_id: str, prompt: list[int], params: SamplingParams,
-               adapter: str | None = None) -> None:  # fmt: skip
+    def on_add(
+        self,
+        core: EngineView,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+    ) -> None:
         """adapter: the LoRA adapter it runs with (docs/lora.md), shown by the request view."""
         self._sync()
         stats = core.stats()
-        data = {"num_prompt_tokens": len(prompt), "n": params.n, "max_tokens": params.max_tokens,
-                "position": stats.num_waiting - 1, "num_waiting": stats.num_waiting,
-                "num_running": stats.num_running}  # fmt: skip
+        data = {
+            "num_prompt_tokens": len(prompt),
+            "n": params.n,
+            "max_tokens": params.max_tokens,
+            "position": stats.num_waiting - 1,
+            "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+        }
         if adapter is not None:
             data["adapter"] = adapter
         self.bus.publish([Event("queued", request_id, time.time(), data)])
@@ -102,22 +113,52 @@ class EventTap:
             start = req.num_computed_tokens  # before this step's tokens
             if held is None:  # admitted (or readmitted after preemption) this step
                 cached = start // self.block_size  # prefix hits are whole blocks, all at the front
-                events.append(Event("scheduled", parent, now, {
-                    "index": index, "step": self.step_id, "batch_size": len(batch),
-                    "batch": [core.sequence_key(b)[0] for b in batch if b != child_id],
-                    "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                    "num_cached_tokens": start,
-                }))  # fmt: skip
-                events.append(Event("blocks", parent, now, {
-                    "index": index, "new": s.block_ids[cached:], "cached": s.block_ids[:cached],
-                    "table": list(s.block_ids), "num_free_blocks": stats.num_free_kv_blocks,
-                    "tiers": _tiers(sched, child_id, s.block_ids),
-                }))  # fmt: skip
+                events.append(
+                    Event(
+                        "scheduled",
+                        parent,
+                        now,
+                        {
+                            "index": index,
+                            "step": self.step_id,
+                            "batch_size": len(batch),
+                            "batch": [core.sequence_key(b)[0] for b in batch if b != child_id],
+                            "num_running": stats.num_running,
+                            "num_waiting": stats.num_waiting,
+                            "num_cached_tokens": start,
+                        },
+                    )
+                )
+                events.append(
+                    Event(
+                        "blocks",
+                        parent,
+                        now,
+                        {
+                            "index": index,
+                            "new": s.block_ids[cached:],
+                            "cached": s.block_ids[:cached],
+                            "table": list(s.block_ids),
+                            "num_free_blocks": stats.num_free_kv_blocks,
+                            "tiers": _tiers(sched, child_id, s.block_ids),
+                        },
+                    )
+                )
             elif len(s.block_ids) > held:
-                events.append(Event("blocks", parent, now, {
-                    "index": index, "new": s.block_ids[held:], "cached": [], "table": list(s.block_ids),
-                    "num_free_blocks": stats.num_free_kv_blocks,
-                }))  # fmt: skip
+                events.append(
+                    Event(
+                        "blocks",
+                        parent,
+                        now,
+                        {
+                            "index": index,
+                            "new": s.block_ids[held:],
+                            "cached": [],
+                            "table": list(s.block_ids),
+                            "num_free_blocks": stats.num_free_kv_blocks,
+                        },
+                    )
+                )
             self._blocks[child_id] = len(s.block_ids)
             end = start + s.num_new_tokens
             if start < req.num_prompt_tokens:  # a prompt chunk (or a recompute after preemption)
@@ -130,21 +171,42 @@ class EventTap:
         mono, now = time.monotonic(), time.time()
         events: list[Event] = []
         for req, parent, index, start, end in self._chunks:
-            events.append(Event("prefill_chunk", parent, now, {
-                "index": index, "step": self.step_id, "start": start, "end": end,
-                "num_prompt_tokens": req.num_prompt_tokens, "duration_s": mono - self._step_start,
-            }))  # fmt: skip
+            events.append(
+                Event(
+                    "prefill_chunk",
+                    parent,
+                    now,
+                    {
+                        "index": index,
+                        "step": self.step_id,
+                        "start": start,
+                        "end": end,
+                        "num_prompt_tokens": req.num_prompt_tokens,
+                        "duration_s": mono - self._step_start,
+                    },
+                )
+            )
         self._chunks = []
         stats = core.stats()  # after update: rejected drafts' blocks are back in the pool
         for req, parent, index, held, drafts, accepted_before in self._verifying:
             # Rejected drafts are rolled back and the blocks that held only them go back to the
             # pool (Scheduler._settle_drafts); a finished request frees everything on its own.
             after = core.block_ids(req.request_id) if not req.is_finished else held
-            events.append(Event("spec_verify", parent, now, {
-                "index": index, "step": self.step_id, "num_draft_tokens": drafts,
-                "num_accepted_tokens": req.spec.num_accepted_tokens - accepted_before,
-                "released_blocks": held[len(after):], "num_free_blocks": stats.num_free_kv_blocks,
-            }))  # fmt: skip
+            events.append(
+                Event(
+                    "spec_verify",
+                    parent,
+                    now,
+                    {
+                        "index": index,
+                        "step": self.step_id,
+                        "num_draft_tokens": drafts,
+                        "num_accepted_tokens": req.spec.num_accepted_tokens - accepted_before,
+                        "released_blocks": held[len(after) :],
+                        "num_free_blocks": stats.num_free_kv_blocks,
+                    },
+                )
+            )
             self._blocks[req.request_id] = len(after)
         self._verifying = []
         tokenizer = core.tokenizer
@@ -153,23 +215,37 @@ class EventTap:
             last = self._last_token.get(key)
             for pos, token in enumerate(out.new_token_ids):
                 lp = out.new_logprobs[pos] if pos < len(out.new_logprobs) else None
-                data = {"index": out.index, "step": self.step_id, "token_id": token,
-                        "text": out.new_text if pos == len(out.new_token_ids) - 1 else "",
-                        "bytes": tokenizer.token_bytes(token).hex(),
-                        "logprob": None if lp is None else lp.logprob,
-                        "itl_s": None if last is None else mono - last,
-                        "batch_size": stats.last_step_num_seqs}  # fmt: skip
+                data = {
+                    "index": out.index,
+                    "step": self.step_id,
+                    "token_id": token,
+                    "text": out.new_text if pos == len(out.new_token_ids) - 1 else "",
+                    "bytes": tokenizer.token_bytes(token).hex(),
+                    "logprob": None if lp is None else lp.logprob,
+                    "itl_s": None if last is None else mono - last,
+                    "batch_size": stats.last_step_num_seqs,
+                }
                 if last is None:
                     data["ttft_s"] = _ttft(core, out)
                 events.append(Event("token", out.request_id, now, data))
                 last = mono
             if out.finished:
                 self._last_token.pop(key, None)
-                events.append(Event("finished", out.request_id, now, {
-                    "index": out.index, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                    "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
-                    "timings": out.timings or {},
-                }))  # fmt: skip
+                events.append(
+                    Event(
+                        "finished",
+                        out.request_id,
+                        now,
+                        {
+                            "index": out.index,
+                            "finish_reason": out.finish_reason,
+                            "stop_reason": out.stop_reason,
+                            "num_prompt_tokens": out.num_prompt_tokens,
+                            "num_cached_tokens": out.num_cached_tokens,
+                            "timings": out.timings or {},
+                        },
+                    )
+                )
             elif last is not None:
                 self._last_token[key] = last
         self.bus.publish(events)

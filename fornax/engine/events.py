@@ -52,15 +52,21 @@ class Event:
     seq: int = 0  # bus-wide sequence number, set by publish: order and gap detection
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": self.type, "request_id": self.request_id, "time": self.time, "seq": self.seq,
-                **self.data}  # fmt: skip
+        return {
+            "type": self.type,
+            "request_id": self.request_id,
+            "time": self.time,
+            "seq": self.seq,
+            **self.data,
+        }
 
 
 class Subscription:
     """One reader: a bounded queue in its event loop, optionally filtered to one request."""
 
-    def __init__(self, bus: EventBus, loop: asyncio.AbstractEventLoop, request_id: str | None,
-                 maxsize: int) -> None:  # fmt: skip
+    def __init__(
+        self, bus: EventBus, loop: asyncio.AbstractEventLoop, request_id: str | None, maxsize: int
+    ) -> None:
         self.bus, self.loop, self.request_id = bus, loop, request_id
         self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=maxsize)
         self.dropped = 0  # events lost because this reader was slow
@@ -102,8 +108,14 @@ class EventBus:
         self.num_published = 0
 
     # -- subscribers (event loop side) --
-    def subscribe(self, request_id: str | None = None, *, replay: bool = True, maxsize: int = 2048,
-                  loop: asyncio.AbstractEventLoop | None = None) -> Subscription:  # fmt: skip
+    def subscribe(
+        self,
+        request_id: str | None = None,
+        *,
+        replay: bool = True,
+        maxsize: int = 2048,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Subscription:
         """A new reader; with `request_id` and `replay`, it first gets that request's history."""
         sub = Subscription(self, loop or asyncio.get_running_loop(), request_id, maxsize)
         with self._lock:

@@ -97,8 +97,9 @@ class PoolingParams:
                 f"pooling_type must be cls or left unset, got {self.pooling_type!r}",
             )
         if self.dimensions is not None:
-            raise PoolingParamsError("dimensions", "a cross-encoder gives scores, not an embedding: "
-                                     "dimensions does not apply")  # fmt: skip
+            raise PoolingParamsError(
+                "dimensions", "a cross-encoder gives scores, not an embedding: dimensions does not apply"
+            )
         if self.normalize:
             raise PoolingParamsError("normalize", "a cross-encoder's scores are not normalized")
         return replace(self, pooling_type="cls", normalize=False)

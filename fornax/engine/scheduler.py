@@ -85,9 +85,14 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        connector: KVConnector | None = None, swap: bool = False, lora_slots: LoRASlotTable | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        connector: KVConnector | None = None,
+        swap: bool = False,
+        lora_slots: LoRASlotTable | None = None,
+    ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -337,7 +342,7 @@ class Scheduler:
                 )
             if block_ids is None:
                 if request.lora_slot is not None:
-                    self.lora_slots.release(request.lora_slot)  # type: ignore[union-attr]
+                    self.lora_slots.release(request.lora_slot)
                     request.lora_slot = None
                 break  # never preempt running work to admit new work; wait for room
             self.waiting.pop()

@@ -36,8 +36,11 @@ def pair_up(first: list[str], second: list[str]) -> list[tuple[str, str]]:
     if not first or not second:
         raise ScoringError("text_1" if not first else "text_2", "'text_1' and 'text_2' must not be empty")
     if len(first) != 1 and len(first) != len(second):
-        raise ScoringError("text_1", f"'text_1' holds {len(first)} texts and 'text_2' {len(second)}: give one "
-                           "text_1, or as many as text_2 (scored pairwise)")  # fmt: skip
+        raise ScoringError(
+            "text_1",
+            f"'text_1' holds {len(first)} texts and 'text_2' {len(second)}: give one "
+            "text_1, or as many as text_2 (scored pairwise)",
+        )
     return paired(first, second)
 
 
@@ -51,8 +54,11 @@ def check_cross_encoder(model: ModelConfig) -> None:
     """A pair's score is one number: a cross-encoder with several labels gives several."""
     labels = model.pooling.num_labels
     if labels != 1:
-        raise ScoringError("model", f"{model.name} is a classifier of {labels} labels: scoring and reranking "
-                           "need one score per pair (a single-label cross-encoder)")  # fmt: skip
+        raise ScoringError(
+            "model",
+            f"{model.name} is a classifier of {labels} labels: scoring and reranking "
+            "need one score per pair (a single-label cross-encoder)",
+        )
 
 
 def cosine(a: list[float], b: list[float]) -> float:

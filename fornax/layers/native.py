@@ -256,9 +256,11 @@ class PagedAttentionKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         # (query dtype, int8 pools?) -> entry point
         self._fns = {
-            (torch.float32, False): lib.paged_attention_f32, (torch.bfloat16, False): lib.paged_attention_bf16,
-            (torch.float32, True): lib.paged_attention_f32_i8, (torch.bfloat16, True): lib.paged_attention_bf16_i8,
-        }  # fmt: skip
+            (torch.float32, False): lib.paged_attention_f32,
+            (torch.bfloat16, False): lib.paged_attention_bf16,
+            (torch.float32, True): lib.paged_attention_f32_i8,
+            (torch.bfloat16, True): lib.paged_attention_bf16_i8,
+        }
         p, i, lg, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
@@ -297,11 +299,27 @@ class PagedAttentionKernel:
             check_paged_indices(block_tables, row_seq, row_pos, rows, cache.k.shape[0], block_size)
         out = torch.empty((rows, heads, dim), dtype=q.dtype)
         status = self._fns[(q.dtype, cache.quantized)](
-            q.data_ptr(), q.stride(0), cache.k.data_ptr(), cache.v.data_ptr(), data_ptr_or_none(cache.k_scale),
-            data_ptr_or_none(cache.v_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            row_seq.data_ptr(), row_pos.data_ptr(), rows, heads, cache.k.shape[1], dim, block_size, scale,
-            window or 0, torch.get_num_threads(), part_keys,
-        )  # fmt: skip
+            q.data_ptr(),
+            q.stride(0),
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            data_ptr_or_none(cache.k_scale),
+            data_ptr_or_none(cache.v_scale),
+            out.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            row_seq.data_ptr(),
+            row_pos.data_ptr(),
+            rows,
+            heads,
+            cache.k.shape[1],
+            dim,
+            block_size,
+            scale,
+            window or 0,
+            torch.get_num_threads(),
+            part_keys,
+        )
         if status:
             raise RuntimeError(f"paged attention kernel failed (status {status})")
         return out
@@ -320,9 +338,15 @@ class PagedAttentionKernel:
                 raise IndexError(f"int8 K/V write: {k.shape[0]} K rows but {v.shape[0]} V rows")
         for x, pool, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
             self._store_i8[k.dtype](
-                x.data_ptr(), x.stride(0), x.shape[0], slots.data_ptr(), x.shape[1], x.shape[2], pool.data_ptr(),
+                x.data_ptr(),
+                x.stride(0),
+                x.shape[0],
+                slots.data_ptr(),
+                x.shape[1],
+                x.shape[2],
+                pool.data_ptr(),
                 data_ptr_or_none(scales),
-            )  # fmt: skip
+            )
         return True
 
 
@@ -373,10 +397,18 @@ class FusedOps:
         out = torch.empty((rows, dim), dtype=x.dtype)
         summed = None if residual is None else torch.empty((rows, dim), dtype=x.dtype)
         self._norm[x.dtype](
-            x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-            0 if residual is None else residual.stride(0), None if summed is None else summed.data_ptr(),
-            weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            None if summed is None else summed.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
         return out, summed
 
     def rms_norm_f32_weight(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -387,8 +419,16 @@ class FusedOps:
         if not weight.is_contiguous() or weight.dtype != torch.float32 or weight.numel() != dim:
             raise ValueError("rms_norm kernel: weight must be a contiguous float32 [dim]")
         out = torch.empty((rows, dim), dtype=x.dtype)
-        self._norm_f32w[x.dtype](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
-                                 torch.get_num_threads())  # fmt: skip
+        self._norm_f32w[x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def rotary_(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -429,9 +469,11 @@ class QuantMatmul:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         self._fns = {
-            ("q4", torch.float32): lib.q4_matmul_f32, ("q4", torch.bfloat16): lib.q4_matmul_bf16,
-            ("q8", torch.float32): lib.q8_matmul_f32, ("q8", torch.bfloat16): lib.q8_matmul_bf16,
-        }  # fmt: skip
+            ("q4", torch.float32): lib.q4_matmul_f32,
+            ("q4", torch.bfloat16): lib.q4_matmul_bf16,
+            ("q8", torch.float32): lib.q8_matmul_f32,
+            ("q8", torch.bfloat16): lib.q8_matmul_bf16,
+        }
         for fn in self._fns.values():
             fn.restype, fn.argtypes = ctypes.c_int, [p, lg, i, i, p, p, p, i, p, i]
 
@@ -461,9 +503,17 @@ class QuantMatmul:
         for r0 in range(0, rows, self.MAX_ROWS):  # the kernel takes at most MAX_ROWS rows a call
             r1 = min(rows, r0 + self.MAX_ROWS)
             status = fn(
-                x[r0].data_ptr(), x.stride(0), r1 - r0, k, qweight.data_ptr(), scale.data_ptr(),
-                None if offset is None else offset.data_ptr(), n, out[r0].data_ptr(), threads,
-            )  # fmt: skip
+                x[r0].data_ptr(),
+                x.stride(0),
+                r1 - r0,
+                k,
+                qweight.data_ptr(),
+                scale.data_ptr(),
+                None if offset is None else offset.data_ptr(),
+                n,
+                out[r0].data_ptr(),
+                threads,
+            )
             if status:
                 raise RuntimeError(f"quantized matmul kernel failed (status {status})")
         return out
@@ -495,8 +545,15 @@ class _DenseMatmul:
             raise ValueError(f"{self.symbol}: x [T, K] and a contiguous weight [N, K], both {self.dtype}")
         out = torch.empty((x.shape[0], n), dtype=self.dtype)
         status = self._fn(
-            x.data_ptr(), x.stride(0), x.shape[0], k, weight.data_ptr(), n, out.data_ptr(), torch.get_num_threads()
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            k,
+            weight.data_ptr(),
+            n,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if status:
             raise RuntimeError(f"{self.symbol} kernel failed (status {status})")
         return out
@@ -560,9 +617,21 @@ class LoRAKernel:
         if DEBUG_CHECKS:
             _check_range("row_slot", row_slot.clamp(min=-1) + 1, a.shape[0] + 1)
         status = self._fns[x.dtype](
-            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows, x.shape[1], a.data_ptr(), b.data_ptr(),
-            row_slot.data_ptr(), parts, bounds.data_ptr(), a.shape[2], rank, torch.get_num_threads(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            y.data_ptr(),
+            y.stride(0),
+            rows,
+            x.shape[1],
+            a.data_ptr(),
+            b.data_ptr(),
+            row_slot.data_ptr(),
+            parts,
+            bounds.data_ptr(),
+            a.shape[2],
+            rank,
+            torch.get_num_threads(),
+        )
         if status:
             raise RuntimeError(f"LoRA kernel failed (status {status})")
 
@@ -660,9 +729,15 @@ class Int8Matmul:
         q = torch.empty((rows, k), dtype=torch.int8)
         scale = torch.empty(rows, dtype=torch.float32)
         status = self._quantize(
-            x.data_ptr(), x.stride(0), rows, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads(),
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            q.data_ptr(),
+            scale.data_ptr(),
+            torch.get_num_threads(),
             None if given_max is None else given_max.data_ptr(),
-        )  # fmt: skip
+        )
         if status:
             raise RuntimeError(f"int8 activation kernel failed (status {status})")
         return q, scale
@@ -696,9 +771,18 @@ class Int8Matmul:
             raise ValueError("int8 matmul: x [T, K] bf16 and weights in the kernel's panels")
         out = torch.empty((rows, n), dtype=torch.bfloat16)
         status = self._matmul(
-            x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), colsum.data_ptr(), scale.data_ptr(), n,
-            out.data_ptr(), torch.get_num_threads(), None if given_max is None else given_max.data_ptr(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            packed.data_ptr(),
+            colsum.data_ptr(),
+            scale.data_ptr(),
+            n,
+            out.data_ptr(),
+            torch.get_num_threads(),
+            None if given_max is None else given_max.data_ptr(),
+        )
         if status:
             raise RuntimeError(f"int8 matmul kernel failed (status {status})")
         return out
@@ -713,38 +797,66 @@ class QLinearDesc(ctypes.Structure):
     only for the quantized kinds: Q4/Q8 scales (m only for Q4), I8 column sums and scales)."""
 
     _fields_ = [
-        ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int), ("k", ctypes.c_int), ("kind", ctypes.c_int),
-        ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p), ("lora_bounds", ctypes.c_void_p),
-        ("lora_parts", ctypes.c_int), ("lora_max_rank", ctypes.c_int),
-    ]  # fmt: skip
+        ("w", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("kind", ctypes.c_int),
+        ("lora_a", ctypes.c_void_p),
+        ("lora_b", ctypes.c_void_p),
+        ("lora_bounds", ctypes.c_void_p),
+        ("lora_parts", ctypes.c_int),
+        ("lora_max_rank", ctypes.c_int),
+    ]
 
 
 class DecoderLayerDesc(ctypes.Structure):
     _fields_ = [
-        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-        ("qkv", QLinearDesc), ("o", QLinearDesc), ("gate_up", QLinearDesc), ("down", QLinearDesc),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-        ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
-    ]  # fmt: skip
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", QLinearDesc),
+        ("o", QLinearDesc),
+        ("gate_up", QLinearDesc),
+        ("down", QLinearDesc),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+    ]
 
 
 class DecoderModelDesc(ctypes.Structure):
     _fields_ = [
-        ("layers", ctypes.POINTER(DecoderLayerDesc)), ("final_norm", ctypes.c_void_p),
-        ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
-        ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-        ("block_size", ctypes.c_int), ("window", ctypes.c_int), ("kv_int8", ctypes.c_int),
-        ("part_keys", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-    ]  # fmt: skip
+        ("layers", ctypes.POINTER(DecoderLayerDesc)),
+        ("final_norm", ctypes.c_void_p),
+        ("num_layers", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("intermediate", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("window", ctypes.c_int),
+        ("kv_int8", ctypes.c_int),
+        ("part_keys", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 class StepRowsDesc(ctypes.Structure):
     _fields_ = [
-        ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("row_seq", ctypes.c_void_p),
-        ("row_pos", ctypes.c_void_p), ("rows", ctypes.c_int), ("max_blocks", ctypes.c_int),
-        ("lora_row_slot", ctypes.c_void_p), ("lora_rank", ctypes.c_int),
-    ]  # fmt: skip
+        ("slots", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("row_seq", ctypes.c_void_p),
+        ("row_pos", ctypes.c_void_p),
+        ("rows", ctypes.c_int),
+        ("max_blocks", ctypes.c_int),
+        ("lora_row_slot", ctypes.c_void_p),
+        ("lora_rank", ctypes.c_int),
+    ]
 
 
 def step_rows(
@@ -810,9 +922,14 @@ class DecodeStepKernel:
         Returns the hidden states after the final norm, [rows, hidden]."""
         out = torch.empty_like(x)
         status = self._fns[x.dtype](
-            ctypes.byref(model), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), ctypes.byref(rows), out.data_ptr(),
+            ctypes.byref(model),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            ctypes.byref(rows),
+            out.data_ptr(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         if status:
             raise RuntimeError(f"native decode step failed (status {status})")
         return out

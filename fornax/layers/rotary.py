@@ -44,9 +44,13 @@ class RotaryEmbedding(nn.Module):
     position * inv_freq in float32, then cos and sin."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
         precompute: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim // 2] float32
         if precompute:

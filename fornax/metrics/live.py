@@ -99,14 +99,17 @@ class LiveStats:
             group = series[slot]
             seconds = bucket_s
             last = group[-1]
-            points.append({
-                "t": start + slot * bucket_s + bucket_s,
-                "tokens_per_s": sum(b.output_tokens for b in group) / seconds,
-                "ttft_ms": _p50([x for b in group for x in b.ttft_s], 1000.0),
-                "itl_ms": _p50([x for b in group for x in b.itl_s], 1000.0),
-                "num_running": last.num_running, "num_waiting": last.num_waiting,
-                "kv_cache_usage": last.kv_cache_usage,
-            })  # fmt: skip
+            points.append(
+                {
+                    "t": start + slot * bucket_s + bucket_s,
+                    "tokens_per_s": sum(b.output_tokens for b in group) / seconds,
+                    "ttft_ms": _p50([x for b in group for x in b.ttft_s], 1000.0),
+                    "itl_ms": _p50([x for b in group for x in b.itl_s], 1000.0),
+                    "num_running": last.num_running,
+                    "num_waiting": last.num_waiting,
+                    "kv_cache_usage": last.kv_cache_usage,
+                }
+            )
         recent = [b for b in buckets if b.second > int(now) - 10]
         return {
             "window_s": self.window_s,

@@ -42,17 +42,83 @@ logger = logging.getLogger("fornax.metrics")
 
 # Request-level times: a CPU prefill of a long prompt or a long generation takes minutes,
 # a GPU TTFT a few milliseconds.
-TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
+TIME_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 # Per-token gaps: ~1 ms on a GPU decode, tens to hundreds of ms on a CPU or behind a prefill.
-TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 # The engine routes (server/api.py, openai_responses.py, anthropic_messages.py, embeddings.py), each
 # a label of fornax:requests_total from the start, so rate() sees a route's first request.
 ENDPOINTS = ("chat", "completions", "responses", "messages", "embeddings")
 MODEL_LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0,
-                        2.5, 5.0, 10.0)  # fmt: skip
+STEP_SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.15,
+    0.3,
+    0.6,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 # Forget a sequence's last-token time after this long without output (safety net only:
 # every sequence, aborted ones included, ends with a finished output that removes it).
 _STALE_AFTER_S = 600.0
@@ -92,8 +158,9 @@ class Metrics:
         tok = token_buckets(max_model_len)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"fornax:{name}", doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)  # fmt: skip
+            return Histogram(
+                f"fornax:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"fornax:{name}", doc, ["model_name"], registry=self.registry).labels(model_name)
@@ -108,20 +175,30 @@ class Metrics:
         self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.", t)
         self.prefill = hist("request_prefill_time_seconds", "Time spent in prefill.", t)
         self.decode = hist("request_decode_time_seconds", "Time from the first to the last token.", t)
-        self.tpot = hist("request_time_per_output_token_seconds",
-                         "Mean decode time per output token after the first, per request.", gap)  # fmt: skip
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Mean decode time per output token after the first, per request.",
+            gap,
+        )
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", tok)
         self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per request.", tok)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests (cached included).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
-        self._success = Counter("fornax:request_success",
-                                "Finished sequences (one per choice), by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
+        self._success = Counter(
+            "fornax:request_success",
+            "Finished sequences (one per choice), by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         for reason in ("stop", "length"):  # present from the start, so rate() sees the first one
             self._success.labels(model_name, reason)
         self.aborted = counter("requests_aborted", "Requests aborted: the client left or the server gave up.")
-        self._requests = Counter("fornax:requests", "Generation requests ended (finished or aborted), by API route.",
-                                 ["model_name", "endpoint"], registry=self.registry)  # fmt: skip
+        self._requests = Counter(
+            "fornax:requests",
+            "Generation requests ended (finished or aborted), by API route.",
+            ["model_name", "endpoint"],
+            registry=self.registry,
+        )
         for endpoint in ENDPOINTS:
             self._requests.labels(model_name, endpoint)
         # -- embedding, rerank and score requests (server/embeddings.py: endpoint "embeddings"),
@@ -130,18 +207,26 @@ class Metrics:
         self.embedding_prompt_tokens = counter(
             "embedding_prompt_tokens", "Prompt tokens of embedding, rerank and score requests."
         )
-        self.embedding_latency = hist("embedding_request_latency_seconds",
-                                      "Engine time from arrival to the last input's result, per "
-                                      "embedding, rerank or score request.", t)  # fmt: skip
-        self._errors = Counter("fornax:request_errors", "HTTP responses with a 4xx or 5xx status, by status.",
-                               ["model_name", "status"], registry=self.registry)  # fmt: skip
+        self.embedding_latency = hist(
+            "embedding_request_latency_seconds",
+            "Engine time from arrival to the last input's result, per embedding, rerank or score request.",
+            t,
+        )
+        self._errors = Counter(
+            "fornax:request_errors",
+            "HTTP responses with a 4xx or 5xx status, by status.",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
         # -- per step (from StepStats) --
         self.itl = hist("inter_token_latency_seconds", "Time between two tokens of one sequence.", gap)
         self.step_tokens = hist("engine_step_batched_tokens", "Tokens computed per engine step.", tok)
-        self.step_seqs = hist("engine_step_num_seqs", "Sequences scheduled per engine step.",
-                              token_buckets(1024))  # fmt: skip
-        self.step_seconds = hist("engine_step_duration_seconds", "Wall time of one engine step.",
-                                 STEP_SECONDS_BUCKETS)  # fmt: skip
+        self.step_seqs = hist(
+            "engine_step_num_seqs", "Sequences scheduled per engine step.", token_buckets(1024)
+        )
+        self.step_seconds = hist(
+            "engine_step_duration_seconds", "Wall time of one engine step.", STEP_SECONDS_BUCKETS
+        )
         # -- engine state (refreshed at scrape time) --
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
@@ -151,9 +236,11 @@ class Metrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted to free KV cache blocks.")
         self.spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
-        self.spec_acceptance = hist("spec_decode_acceptance_rate",
-                                    "Per speculating request: accepted / proposed draft tokens.",
-                                    tuple(i / 10 for i in range(1, 11)))  # fmt: skip
+        self.spec_acceptance = hist(
+            "spec_decode_acceptance_rate",
+            "Per speculating request: accepted / proposed draft tokens.",
+            tuple(i / 10 for i in range(1, 11)),
+        )
         # -- the model itself (server/model_set.py: loaded at start-up, or on demand with LRU unloading) --
         self.model_loaded = gauge("model_loaded", "1 while the model is loaded, else 0.")
         self.model_loads = counter("model_loads", "Times the model was loaded.")
@@ -191,11 +278,20 @@ class Metrics:
             metric = kind(f"fornax:{name}", doc, ["model_name", label], registry=reg, **kw)
             return {v: metric.labels(model_name, v) for v in values}
 
-        self.offload_hits = labelled(Counter, "kv_offload_hit_tokens",
-                                     "Prompt tokens loaded from a KV tier instead of recomputed, by tier.",
-                                     "tier", ("host", "disk"))  # fmt: skip
-        self.offload_bytes = labelled(Counter, "kv_offload_bytes", "Bytes of KV moved between tiers, by direction.",
-                                      "direction", ("to_host", "from_host", "to_disk", "from_disk"))  # fmt: skip
+        self.offload_hits = labelled(
+            Counter,
+            "kv_offload_hit_tokens",
+            "Prompt tokens loaded from a KV tier instead of recomputed, by tier.",
+            "tier",
+            ("host", "disk"),
+        )
+        self.offload_bytes = labelled(
+            Counter,
+            "kv_offload_bytes",
+            "Bytes of KV moved between tiers, by direction.",
+            "direction",
+            ("to_host", "from_host", "to_disk", "from_disk"),
+        )
         self.offload_seconds = labelled(
             Histogram,
             "kv_offload_transfer_seconds",
@@ -205,27 +301,45 @@ class Metrics:
             ("save", "load", "disk_read"),
             buckets=STEP_SECONDS_BUCKETS,
         )
-        self.offload_usage = labelled(Gauge, "kv_offload_usage_perc", "Fraction of a KV tier in use (0..1).",
-                                      "tier", ("host", "disk"))  # fmt: skip
-        self.offload_swaps = labelled(Counter, "kv_offload_swaps", "Preempted requests swapped out / back in.",
-                                      "direction", ("out", "in"))  # fmt: skip
-        self.offload_corrupt = Counter("fornax:kv_offload_corrupt_chunks",
-                                       "Disk chunks that failed their checks and were recomputed.",
-                                       ["model_name"], registry=reg).labels(model_name)  # fmt: skip
+        self.offload_usage = labelled(
+            Gauge, "kv_offload_usage_perc", "Fraction of a KV tier in use (0..1).", "tier", ("host", "disk")
+        )
+        self.offload_swaps = labelled(
+            Counter,
+            "kv_offload_swaps",
+            "Preempted requests swapped out / back in.",
+            "direction",
+            ("out", "in"),
+        )
+        self.offload_corrupt = Counter(
+            "fornax:kv_offload_corrupt_chunks",
+            "Disk chunks that failed their checks and were recomputed.",
+            ["model_name"],
+            registry=reg,
+        ).labels(model_name)
         self._offload_mirrored: dict[str, int] = {}
 
     def _refresh_offload(self, o: OffloadStats) -> None:
-        totals = {("hits", "host"): o.hit_tokens_host, ("hits", "disk"): o.hit_tokens_disk,
-                  ("bytes", "to_host"): o.bytes_to_host, ("bytes", "from_host"): o.bytes_from_host,
-                  ("bytes", "to_disk"): o.bytes_to_disk, ("bytes", "from_disk"): o.bytes_from_disk,
-                  ("swaps", "out"): o.swapped_out, ("swaps", "in"): o.swapped_in,
-                  ("corrupt", ""): o.corrupt_chunks}  # fmt: skip
+        totals = {
+            ("hits", "host"): o.hit_tokens_host,
+            ("hits", "disk"): o.hit_tokens_disk,
+            ("bytes", "to_host"): o.bytes_to_host,
+            ("bytes", "from_host"): o.bytes_from_host,
+            ("bytes", "to_disk"): o.bytes_to_disk,
+            ("bytes", "from_disk"): o.bytes_from_disk,
+            ("swaps", "out"): o.swapped_out,
+            ("swaps", "in"): o.swapped_in,
+            ("corrupt", ""): o.corrupt_chunks,
+        }
         for (kind, label), total in totals.items():
             key = f"{kind}:{label}"
             delta = total - self._offload_mirrored.get(key, 0)
             if delta > 0:
-                target = {"hits": self.offload_hits, "bytes": self.offload_bytes,
-                          "swaps": self.offload_swaps}.get(kind)  # fmt: skip
+                target = {
+                    "hits": self.offload_hits,
+                    "bytes": self.offload_bytes,
+                    "swaps": self.offload_swaps,
+                }.get(kind)
                 (target[label] if target is not None else self.offload_corrupt).inc(delta)
                 self._offload_mirrored[key] = total
         for kind, seconds in o.transfer_times:
@@ -314,11 +428,13 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        mirrors = (("queries", stats.prefix_cache_queries, self.prefix_queries),
-                   ("hits", stats.prefix_cache_hits, self.prefix_hits),
-                   ("preemptions", stats.num_preemptions_total, self.preemptions),
-                   ("drafts", stats.spec_num_draft_tokens_total, self.spec_drafts),
-                   ("accepted", stats.spec_num_accepted_tokens_total, self.spec_accepted))  # fmt: skip
+        mirrors = (
+            ("queries", stats.prefix_cache_queries, self.prefix_queries),
+            ("hits", stats.prefix_cache_hits, self.prefix_hits),
+            ("preemptions", stats.num_preemptions_total, self.preemptions),
+            ("drafts", stats.spec_num_draft_tokens_total, self.spec_drafts),
+            ("accepted", stats.spec_num_accepted_tokens_total, self.spec_accepted),
+        )
         for key, total, counter in mirrors:
             delta = total - self._mirrored[key]
             if delta > 0:

@@ -118,7 +118,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         types = config.layer_types or ("full_attention",) * config.num_hidden_layers
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, dtype, t == "sliding_attention") for t in types
-        )  # fmt: skip
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         # computed per step, not tabled: two 32k-position tables of head_dim 256 would hold 128 MiB

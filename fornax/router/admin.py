@@ -66,8 +66,12 @@ class Keys:
             return None
         role = self.role(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
         if role is None:
-            return ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return ApiError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if path.startswith(ADMIN_PREFIX) and role != ADMIN:
             return ApiError(403, "/router/* needs an admin key (--admin-key)", code="permission_denied")
         return None
@@ -124,10 +128,11 @@ def _url(body: dict[str, Any], request: Request) -> str:
 async def list_replicas(request: Request) -> dict[str, Any]:
     router = _router(request)
     return {
-        "object": "list", "policy": router.policy.name,
+        "object": "list",
+        "policy": router.policy.name,
         "data": [r.describe() for r in router.replicas],
         "draining": [r.describe() for r in router.replicas.draining()],
-    }  # fmt: skip
+    }
 
 
 @routes.post("/router/replicas")

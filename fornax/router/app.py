@@ -44,10 +44,18 @@ routes = APIRouter()
 
 
 # path -> endpoint (the proxy's name for it, a metrics label)
-RELAY_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
-               "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens", "/tokenize": "tokenize",
-               "/detokenize": "detokenize", "/v1/embeddings": "embeddings", "/v1/rerank": "rerank",
-               "/v1/score": "score"}  # fmt: skip
+RELAY_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/score": "score",
+}
 
 
 def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> RouterApp:
@@ -70,8 +78,16 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Rout
     # CORS for the replicas' visualizer pages (fornax/router/cors.py): around the relay, which
     # skips the middleware, and outermost in the middleware, so preflights pass the key check.
     cors_relay = ReplicaOriginsCors(relay, router.replicas.urls)
-    app = RouterApp(cors_relay, title="fornax router", version=__version__, lifespan=lifespan, docs_url=None,
-                    redoc_url=None, openapi_url=None, routes=relayed)  # fmt: skip
+    app = RouterApp(
+        cors_relay,
+        title="fornax router",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        routes=relayed,
+    )
     app.state.router = router
     install_error_handlers(app)
     app.include_router(routes)
@@ -220,8 +236,15 @@ async def stored_response(request: Request, response_id: str) -> Response:
     router = _router(request)
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     upstream = upstream_headers(request.headers, router.config.replica_api_key)
-    work = router.proxy.forward("responses", path, b"", RouteRequest("stored_response", None), upstream,
-                                method=request.method, seeks_stored=True)  # fmt: skip
+    work = router.proxy.forward(
+        "responses",
+        path,
+        b"",
+        RouteRequest("stored_response", None),
+        upstream,
+        method=request.method,
+        seeks_stored=True,
+    )
     return await until_disconnected(request.receive, work)
 
 
@@ -231,8 +254,12 @@ async def health(request: Request) -> Response:
     healthy = sum(1 for r in replicas if r.available)
     if healthy:
         return JSONResponse({"status": "ok", "healthy_replicas": healthy, "replicas": len(replicas)})
-    return ApiError(503, f"no replica is available ({len(replicas)} known)", code="no_healthy_replica",
-                    headers={"Retry-After": "1"}).response()  # fmt: skip
+    return ApiError(
+        503,
+        f"no replica is available ({len(replicas)} known)",
+        code="no_healthy_replica",
+        headers={"Retry-After": "1"},
+    ).response()
 
 
 @routes.get("/version")
@@ -252,9 +279,17 @@ def serve(config: RouterConfig, replicas: ReplicaSet | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the poller's: one INFO line per poll otherwise
     # httptools (C) parses the clients' requests and uvloop runs the loop: together they took
     # about an eighth off the router's CPU time per relayed request (h11 and asyncio measured).
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                               log_level=config.log_level, access_log=config.access_log,
-                               timeout_graceful_shutdown=30, lifespan="on", http="httptools",
-                               loop="uvloop")  # fmt: skip
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=30,
+        lifespan="on",
+        http="httptools",
+        loop="uvloop",
+    )
     uvicorn.Server(uv_config).run()
     return 0

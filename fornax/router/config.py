@@ -73,8 +73,15 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("poll_interval_s", "poll_timeout_s", "connect_timeout_s", "read_timeout_s"):
             _check_positive(name, getattr(self, name))
-        for name in ("unhealthy_after", "healthy_after", "max_attempts", "max_connections", "max_body_bytes",
-                     "cache_max_chars", "long_prompt_tokens"):  # fmt: skip
+        for name in (
+            "unhealthy_after",
+            "healthy_after",
+            "max_attempts",
+            "max_connections",
+            "max_body_bytes",
+            "cache_max_chars",
+            "long_prompt_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:

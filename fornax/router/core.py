@@ -59,16 +59,21 @@ class Router:
         # Health checks get their own small pool, so a saturated relay session cannot make
         # every replica look dead. trust_env=False: an HTTP(S)_PROXY meant for the outside
         # world must not sit between the router and its replicas.
-        poll_client = httpx.AsyncClient(timeout=cfg.poll_timeout_s, trust_env=False,
-                                        limits=httpx.Limits(max_connections=POLL_CONNECTIONS))  # fmt: skip
+        poll_client = httpx.AsyncClient(
+            timeout=cfg.poll_timeout_s, trust_env=False, limits=httpx.Limits(max_connections=POLL_CONNECTIONS)
+        )
         self._poll_client = poll_client
         self._proxy = Proxy(cfg, self.replicas, self.policy, self._session, self.metrics)
         self._poller = Poller(cfg, self.replicas, poll_client, self.metrics, self.poll_headers)
         self._loop = asyncio.get_running_loop()
         await self._poller.round()  # replicas already up are in rotation before the first request
         self._spawn(self._poller.run())
-        logger.info("routing over %d replica(s) with the %s policy: %s", len(self.replicas), self.policy.name,
-                    ", ".join(self.replicas.urls()) or "(none yet)")  # fmt: skip
+        logger.info(
+            "routing over %d replica(s) with the %s policy: %s",
+            len(self.replicas),
+            self.policy.name,
+            ", ".join(self.replicas.urls()) or "(none yet)",
+        )
 
     async def stop(self) -> None:
         self._loop = None

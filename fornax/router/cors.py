@@ -57,9 +57,11 @@ class ReplicaOriginsCors:
 
         async def send_with_cors(message: Message) -> None:
             if message["type"] == "http.response.start":
-                extra = [(b"access-control-allow-origin", origin.encode("latin-1")),
-                         (b"access-control-expose-headers", EXPOSED.encode()),
-                         (b"vary", b"Origin")]  # fmt: skip
+                extra = [
+                    (b"access-control-allow-origin", origin.encode("latin-1")),
+                    (b"access-control-expose-headers", EXPOSED.encode()),
+                    (b"vary", b"Origin"),
+                ]
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
@@ -67,11 +69,16 @@ class ReplicaOriginsCors:
 
 
 def _preflight(origin: str) -> Response:
-    return Response(status_code=204, headers={
-        "access-control-allow-origin": origin, "access-control-allow-methods": "GET, POST",
-        "access-control-allow-headers": "authorization, content-type",
-        "access-control-max-age": str(PREFLIGHT_MAX_AGE_S), "vary": "Origin",
-    })  # fmt: skip
+    return Response(
+        status_code=204,
+        headers={
+            "access-control-allow-origin": origin,
+            "access-control-allow-methods": "GET, POST",
+            "access-control-allow-headers": "authorization, content-type",
+            "access-control-max-age": str(PREFLIGHT_MAX_AGE_S),
+            "vary": "Origin",
+        },
+    )
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

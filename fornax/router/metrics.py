@@ -15,8 +15,25 @@ from fornax.router.replicas import Replica
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 NO_REPLICA = "none"  # the replica label of a request no replica was found for
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 120.0, 300.0)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -24,28 +41,55 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = "fornax_router:"
-        self.requests = Counter(p + "requests", "Requests answered, by the replica that answered (the last "
-                                "tried) and outcome.", ["replica", "outcome"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            p + "requests",
+            "Requests answered, by the replica that answered (the last tried) and outcome.",
+            ["replica", "outcome"],
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries", "Attempts moved to another replica, by why.", ["reason"], registry=r
         )
-        self.ejections = Counter(p + "ejections", "Replicas taken out of rotation, by replica and how "
-                                 "(passive: a failed request; active: failed health checks).",
-                                 ["replica", "kind"], registry=r)  # fmt: skip
-        self.decisions = Counter(p + "routing_decisions", "Routing decisions, by policy and reason.",
-                                 ["policy", "reason"], registry=r)  # fmt: skip
-        self.match_ratio = Histogram(p + "cache_match_ratio", "Cache-aware: share of the prompt found "
-                                     "in the best candidate's recorded prefixes.", buckets=RATIO_BUCKETS,
-                                     registry=r)  # fmt: skip
-        self.latency = Histogram(p + "e2e_request_latency_seconds", "From the request's arrival to the end "
-                                 "of its answer (the last streamed byte).", ["endpoint"],
-                                 buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ejections = Counter(
+            p + "ejections",
+            "Replicas taken out of rotation, by replica and how "
+            "(passive: a failed request; active: failed health checks).",
+            ["replica", "kind"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            p + "routing_decisions",
+            "Routing decisions, by policy and reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.match_ratio = Histogram(
+            p + "cache_match_ratio",
+            "Cache-aware: share of the prompt found in the best candidate's recorded prefixes.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            p + "e2e_request_latency_seconds",
+            "From the request's arrival to the end of its answer (the last streamed byte).",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.healthy = Gauge(p + "healthy_replicas", "Replicas in rotation.", registry=r)
         self.replicas = Gauge(p + "replicas", "Replicas in the set (in rotation or not).", registry=r)
-        self.inflight = Gauge(p + "replica_inflight", "This router's requests in progress on a replica.",
-                              ["replica"], registry=r)  # fmt: skip
-        self.load = Gauge(p + "replica_load", "A replica's load as the router sees it (see fornax.router).",
-                          ["replica"], registry=r)  # fmt: skip
+        self.inflight = Gauge(
+            p + "replica_inflight",
+            "This router's requests in progress on a replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.load = Gauge(
+            p + "replica_load",
+            "A replica's load as the router sees it (see fornax.router).",
+            ["replica"],
+            registry=r,
+        )
         self._labelled: set[str] = set()
 
     def refresh(self, replicas: Iterable[Replica]) -> None:

@@ -53,8 +53,14 @@ def _watched(line: str) -> bool:
 
 
 class Poller:
-    def __init__(self, config: RouterConfig, replicas: ReplicaSet, client: httpx.AsyncClient,
-                 metrics: RouterMetrics, headers: dict[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RouterConfig,
+        replicas: ReplicaSet,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        headers: dict[str, str],
+    ) -> None:
         self.config, self.replicas, self.client, self.metrics = config, replicas, client, metrics
         self.headers = headers  # the poll key, if any: a replica's /metrics and /v1/models may need it
         self.dns = DnsDiscovery(config.replica_dns, replicas)
@@ -94,8 +100,9 @@ class Poller:
     async def _check_health(self, replica: Replica) -> bool:
         """One health check; True when the replica answered 200."""
         try:
-            resp = await self.client.get(replica.url + "/health", headers=self.headers,
-                                         timeout=self.config.poll_timeout_s)  # fmt: skip
+            resp = await self.client.get(
+                replica.url + "/health", headers=self.headers, timeout=self.config.poll_timeout_s
+            )
             status = resp.status_code
         except httpx.HTTPError as exc:
             return self._failed(replica, f"health check: {type(exc).__name__}: {exc}")
@@ -114,8 +121,12 @@ class Poller:
         replica.last_error = why
         if replica.health.check_failed():
             self.metrics.ejections.labels(replica.url, EJECT_ACTIVE).inc()
-            logger.warning("replica %s is out of rotation after %d failed health checks (%s)", replica.url,
-                           replica.health.failures, why)  # fmt: skip
+            logger.warning(
+                "replica %s is out of rotation after %d failed health checks (%s)",
+                replica.url,
+                replica.health.failures,
+                why,
+            )
         return False
 
     async def _scrape(self, replica: Replica) -> None:
@@ -143,8 +154,9 @@ class Poller:
         """The body of a 200 answer, or None (a replica that hides /metrics behind a key the
         router lacks still serves: its load is then this router's in-flight count)."""
         try:
-            resp = await self.client.get(replica.url + path, headers=self.headers,
-                                         timeout=self.config.poll_timeout_s)  # fmt: skip
+            resp = await self.client.get(
+                replica.url + path, headers=self.headers, timeout=self.config.poll_timeout_s
+            )
         except httpx.HTTPError:
             return None
         return resp.text if resp.status_code == 200 else None

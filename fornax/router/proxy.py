@@ -40,8 +40,18 @@ from fornax.router.upstream import ClientError, send
 from fornax.server.errors import ApiError
 
 logger = logging.getLogger("fornax.router")
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "transfer-encoding", "upgrade"})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 # accept-encoding: replicas must answer uncompressed, or SSE events could not be found in the bytes.
 # expect: the router has the whole body already; a replica must not answer 100 Continue.
 DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
@@ -100,15 +110,29 @@ class Lease:
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig, replicas: ReplicaSet, policy: Policy,
-                 session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RouterConfig,
+        replicas: ReplicaSet,
+        policy: Policy,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+    ) -> None:
         self.config, self.replicas, self.policy = config, replicas, policy
         self.session, self.metrics = session, metrics
         self._rotor = Rotor()
 
     # -- the attempt loop --
-    async def forward(self, endpoint: str, path: str, body: bytes, route: RouteRequest, headers: dict[str, str],
-                      method: str = "POST", seeks_stored: bool = False) -> Response:  # fmt: skip
+    async def forward(
+        self,
+        endpoint: str,
+        path: str,
+        body: bytes,
+        route: RouteRequest,
+        headers: dict[str, str],
+        method: str = "POST",
+        seeks_stored: bool = False,
+    ) -> Response:
         ctx = Attempt(
             endpoint, path, body, headers, time.perf_counter(), method=method, seeks_stored=seeks_stored
         )
@@ -150,8 +174,12 @@ class Proxy:
             or any(r.models is None and r.available for r in members)
         ):
             return
-        raise ApiError(404, f"The model '{model}' does not exist; the replicas serve {', '.join(names)}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; the replicas serve {', '.join(names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     def candidates(self, model: str | None, exclude: set[str]) -> list[Replica]:
         """Replicas in rotation serving `model`, untried ones if any are left."""
@@ -235,8 +263,9 @@ class Proxy:
             self.metrics.ejections.labels(replica.url, EJECT_PASSIVE).inc()
             logger.warning("replica %s is out of rotation: %s", replica.url, why)
 
-    def _stream(self, opened: Opened, resp: aiohttp.ClientResponse, lease: Lease, decision: Decision,
-                ctx: Attempt) -> Response:  # fmt: skip
+    def _stream(
+        self, opened: Opened, resp: aiohttp.ClientResponse, lease: Lease, decision: Decision, ctx: Attempt
+    ) -> Response:
         replica = decision.replica
 
         def on_end(outcome: str) -> None:
@@ -257,8 +286,12 @@ class Proxy:
     def give_up(self, failure: Failure | None, ctx: Attempt) -> Response:
         if failure is None:
             self._finish(NO_REPLICA, 503, ctx)
-            return ApiError(503, "no replica is available for this request", code="no_healthy_replica",
-                            headers={"Retry-After": "1"}).response(ctx.path)  # fmt: skip
+            return ApiError(
+                503,
+                "no replica is available for this request",
+                code="no_healthy_replica",
+                headers={"Retry-After": "1"},
+            ).response(ctx.path)
         url = failure.replica.url
         headers = {
             "x-fornax-replica": url,
@@ -270,8 +303,9 @@ class Proxy:
             message = (
                 f"no replica could answer after {ctx.number} attempt(s); the last ({url}): {failure.message}"
             )
-            return ApiError(502, message, type="server_error", code="replica_unavailable",
-                            headers=headers).response(ctx.path)  # fmt: skip
+            return ApiError(
+                502, message, type="server_error", code="replica_unavailable", headers=headers
+            ).response(ctx.path)
         self._finish(url, failure.status, ctx)
         kept = {k: v for k, v in failure.headers.items() if k.lower() not in DROP_RESPONSE}
         return Response(failure.content, failure.status, {**kept, **headers})

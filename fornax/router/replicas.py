@@ -145,14 +145,20 @@ class Replica:
     def describe(self) -> dict[str, Any]:
         """The admin view (GET /router/replicas)."""
         return {
-            "url": self.url, "tags": dict(self.tags), "source": self.source,
-            "healthy": self.health.healthy, "ready": self.ready, "draining": self.removed,
-            "inflight": self.inflight, "load": self.load,
+            "url": self.url,
+            "tags": dict(self.tags),
+            "source": self.source,
+            "healthy": self.health.healthy,
+            "ready": self.ready,
+            "draining": self.removed,
+            "inflight": self.inflight,
+            "load": self.load,
             "polled": {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_usage},
             "models": None if self.models is None else sorted(self.models),
-            "ejections": self.health.ejections, "consecutive_failures": self.health.failures,
+            "ejections": self.health.ejections,
+            "consecutive_failures": self.health.failures,
             "last_error": self.last_error,
-        }  # fmt: skip
+        }
 
 
 Listener = Callable[[str, Replica], None]  # ("add" | "remove", replica), in the caller's thread

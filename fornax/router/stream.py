@@ -149,8 +149,13 @@ class ResponsesFormat(StreamFormat):
 
     def error_event(self, message: str, last: bytes) -> bytes:
         number = (_json_data(last) or {}).get("sequence_number")
-        body = {"type": "error", "code": "replica_failed", "message": message, "param": None,
-                "sequence_number": number + 1 if isinstance(number, int) else 0}  # fmt: skip
+        body = {
+            "type": "error",
+            "code": "replica_failed",
+            "message": message,
+            "param": None,
+            "sequence_number": number + 1 if isinstance(number, int) else 0,
+        }
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -244,8 +249,9 @@ class Upstream:
             self.on_end(outcome)
 
 
-async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], None],
-                fmt: StreamFormat = OPENAI_STREAM) -> AsyncIterator[bytes]:  # fmt: skip
+async def relay(
+    opened: Opened, upstream: Upstream, on_fault: Callable[[str], None], fmt: StreamFormat = OPENAI_STREAM
+) -> AsyncIterator[bytes]:
     """The committed stream, whole events at a time; `on_fault(why)` if the replica fails."""
     outcome = CLIENT_GONE  # unless the stream gets to its end
     last = opened.first
@@ -273,8 +279,10 @@ async def relay(opened: Opened, upstream: Upstream, on_fault: Callable[[str], No
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         on_fault(why)
         events, _ = split_events(last)
-        yield fmt.error_event(f"the replica serving this stream failed ({why}); the stream ends here",
-                              events[-1] if events else b"")  # fmt: skip
+        yield fmt.error_event(
+            f"the replica serving this stream failed ({why}); the stream ends here",
+            events[-1] if events else b"",
+        )
     finally:
         await upstream.close(outcome)
 
@@ -295,8 +303,9 @@ class RelayResponse(StreamingResponse):
     response is closed (and the replica aborts its request) as soon as the client leaves,
     not when the generator is garbage-collected."""
 
-    def __init__(self, content: AsyncIterator[bytes], upstream: Upstream, status_code: int,
-                 headers: dict[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self, content: AsyncIterator[bytes], upstream: Upstream, status_code: int, headers: dict[str, str]
+    ) -> None:
         super().__init__(content, status_code=status_code, headers=headers)
         self.upstream = upstream
 

@@ -45,15 +45,27 @@ def open_session(config: RouterConfig) -> aiohttp.ClientSession:
         keepalive_timeout=KEEPALIVE_S,
         ssl=httpx.create_ssl_context(),
     )
-    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=config.connect_timeout_s,
-                                    sock_read=config.read_timeout_s)  # fmt: skip
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                                 skip_auto_headers=NO_AUTO_HEADERS, auto_decompress=False,
-                                 trust_env=False)  # fmt: skip
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=None, sock_connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=NO_AUTO_HEADERS,
+        auto_decompress=False,
+        trust_env=False,
+    )
 
 
-async def send(session: aiohttp.ClientSession, method: str, base_url: str, path: str, body: bytes,
-               headers: Mapping[str, str]) -> aiohttp.ClientResponse:  # fmt: skip
+async def send(
+    session: aiohttp.ClientSession,
+    method: str,
+    base_url: str,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+) -> aiohttp.ClientResponse:
     """Send; the answer once its head is in. Its body streams: read it, then `release()`."""
     data = body if method == "POST" else None
     return await session.request(method, base_url + path, data=data, headers=headers, allow_redirects=False)

@@ -24,24 +24,41 @@ def request_cost(prompts: list[list[int]], params: SamplingParams) -> int:
     return sum(len(p) + params.n * max_tokens for p in prompts)
 
 
-def admit(state: ServerState, prompts: list[list[int]], params: SamplingParams, priority: int,
-          key_name: str, role: str | None) -> None:  # fmt: skip
+def admit(
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int,
+    key_name: str,
+    role: str | None,
+) -> None:
     """Raise the ApiError that refuses this request, or return to take it."""
     config = state.config
     if priority < 0 and not _privileged(state, key_name, role):
-        raise ApiError(403, "negative priorities are reserved for privileged keys", param="priority",
-                       code="priority_not_allowed")  # fmt: skip
+        raise ApiError(
+            403,
+            "negative priorities are reserved for privileged keys",
+            param="priority",
+            code="priority_not_allowed",
+        )
     cost = request_cost(prompts, params)
     if cost > config.max_request_tokens:
-        raise _too_much(state, f"this request may compute {cost} tokens (prompts plus n x max_tokens), over "
-                        f"the per-request budget of {config.max_request_tokens}", "request_too_large")  # fmt: skip
+        raise _too_much(
+            state,
+            f"this request may compute {cost} tokens (prompts plus n x max_tokens), over "
+            f"the per-request budget of {config.max_request_tokens}",
+            "request_too_large",
+        )
     num_seqs = len(prompts) * params.n
     if state.num_queued >= config.max_queued_requests:
         raise _too_much(state, "too many requests are waiting; retry later", "queue_full")
     if state.num_queued_sequences + num_seqs > config.max_queued_sequences:
-        raise _too_much(state, f"too many sequences are waiting ({state.num_queued_sequences} queued, this "
-                        f"request adds {num_seqs}, limit {config.max_queued_sequences}); retry later",
-                        "queue_full")  # fmt: skip
+        raise _too_much(
+            state,
+            f"too many sequences are waiting ({state.num_queued_sequences} queued, this "
+            f"request adds {num_seqs}, limit {config.max_queued_sequences}); retry later",
+            "queue_full",
+        )
 
 
 def _privileged(state: ServerState, key_name: str, role: str | None) -> bool:

@@ -115,13 +115,21 @@ def to_chat_request(req: MessagesCountTokensRequest) -> ChatCompletionRequest:
         on = req.thinking.type == "enabled"
         body["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}  # chat.THINKING_SWITCHES
     if isinstance(req, MessagesRequest):
-        body |= {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "temperature": req.temperature,
-                 "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}  # fmt: skip
+        body |= {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "stream": req.stream,
+        }
         structured = req.structured_outputs
         if req.output_config is not None and req.output_config.format is not None:
             if structured is not None:
-                raise bad_request("output_config.format and structured_outputs each constrain the output; "
-                                  "send only one", param="structured_outputs")  # fmt: skip
+                raise bad_request(
+                    "output_config.format and structured_outputs each constrain the output; send only one",
+                    param="structured_outputs",
+                )
             structured = {"json": req.output_config.format.json_schema}
         body["structured_outputs"] = structured
     return parse_model(ChatCompletionRequest, body)
@@ -167,11 +175,16 @@ def _conversation(messages: list[MessageParam]) -> list[dict[str, Any]]:
                     texts = []
                 out.append(_tool_result(block, where))
             elif block.type in ("text", "tool_use", "tool_result", *_DROPPED):
-                raise bad_request(f"{where}: a {block.type} block cannot be in a {message.role} message",
-                                  param=f"{where}.type")  # fmt: skip
+                raise bad_request(
+                    f"{where}: a {block.type} block cannot be in a {message.role} message",
+                    param=f"{where}.type",
+                )
             else:
-                raise bad_request(f"{where}: {block.type!r} blocks are not supported by this server (text, "
-                                  "tool_use, tool_result and thinking are)", param=f"{where}.type")  # fmt: skip
+                raise bad_request(
+                    f"{where}: {block.type!r} blocks are not supported by this server (text, "
+                    "tool_use, tool_result and thinking are)",
+                    param=f"{where}.type",
+                )
         if message.role == "assistant":
             turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
             if calls:
@@ -182,8 +195,10 @@ def _conversation(messages: list[MessageParam]) -> list[dict[str, Any]]:
     last = out[-1]
     if last["role"] == "assistant":
         if last.get("tool_calls"):
-            raise bad_request("the final assistant message (a prefill the reply continues) may hold text only",
-                              param=f"messages.{len(messages) - 1}.content")  # fmt: skip
+            raise bad_request(
+                "the final assistant message (a prefill the reply continues) may hold text only",
+                param=f"messages.{len(messages) - 1}.content",
+            )
         if not last["content"].strip():  # nothing to continue: an ordinary new turn
             out.pop()
     return out
@@ -211,11 +226,16 @@ def _tool_result(block: ContentBlock, where: str) -> dict[str, Any]:
 def _tool(i: int, tool: ToolParam) -> dict[str, Any]:
     where = f"tools.{i}"
     if tool.type not in (None, "custom"):
-        raise bad_request(f"{where}: server tools ({tool.type!r}) are not supported by this server; only client "
-                          "tools (name, description, input_schema) are", param=f"{where}.type")  # fmt: skip
+        raise bad_request(
+            f"{where}: server tools ({tool.type!r}) are not supported by this server; only client "
+            "tools (name, description, input_schema) are",
+            param=f"{where}.type",
+        )
     if not _TOOL_NAME.fullmatch(tool.name):
-        raise bad_request(f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}",
-                          param=f"{where}.name")  # fmt: skip
+        raise bad_request(
+            f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}",
+            param=f"{where}.name",
+        )
     if tool.input_schema is None:
         raise bad_request(f"{where}.input_schema is required", param=f"{where}.input_schema")
     function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
@@ -233,10 +253,16 @@ async def message_events(
     """The reply as Anthropic's stream events (dicts, each with its `type`)."""
     gen = run.gen
     head = {"id": _message_id(gen.request_id), "type": "message", "role": "assistant", "model": model}
-    start_usage = {"input_tokens": gen.num_prompt_tokens, "output_tokens": 0,
-                   "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
-    yield {"type": "message_start", "message": head | {"content": [], "stop_reason": None,
-                                                       "stop_sequence": None, "usage": start_usage}}  # fmt: skip
+    start_usage = {
+        "input_tokens": gen.num_prompt_tokens,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    yield {
+        "type": "message_start",
+        "message": head | {"content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage},
+    }
     splitter = run.splitter()
     blocks = _Blocks()
     finish_reason: str | None = None
@@ -255,10 +281,17 @@ async def message_events(
     cached = gen.num_cached_tokens
     # Anthropic counts prompt tokens read from the cache apart from input_tokens (their sum is the
     # prompt); the engine's prefix cache is the cache read here, and nothing is "written" at a cost.
-    usage = {"input_tokens": gen.num_prompt_tokens - cached, "output_tokens": gen.num_completion_tokens,
-             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
-    yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-           "usage": usage}  # fmt: skip
+    usage = {
+        "input_tokens": gen.num_prompt_tokens - cached,
+        "output_tokens": gen.num_completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+    yield {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "usage": usage,
+    }
     yield {"type": "message_stop"}
 
 
@@ -301,8 +334,12 @@ class _Blocks:
         # then the rest of a call already open, then answer text, then calls that start here.
         calls = piece.calls
         new = next((i for i, call in enumerate(calls) if call.id is not None), len(calls))
-        return (self._text("thinking", piece.reasoning) + self._calls(calls[:new])
-                + self._text("text", piece.content) + self._calls(calls[new:]))  # fmt: skip
+        return (
+            self._text("thinking", piece.reasoning)
+            + self._calls(calls[:new])
+            + self._text("text", piece.content)
+            + self._calls(calls[new:])
+        )
 
     def _calls(self, calls: list[ToolCallDelta]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -337,8 +374,11 @@ class _Blocks:
                 self.held += text
                 return []
             text, self.held, self.held_kind = self.held + text, "", None
-            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
-                "type": "text", "text": ""}  # fmt: skip
+            block = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
             events = self._open(block)
         else:
             events = []

@@ -32,7 +32,7 @@ from fornax.server.limits import (
     check_tokenize_input,
     num_logprobs,
     resolve_max_tokens,
-)  # fmt: skip
+)
 from fornax.server.openai_format import TokenText, chat_completion, chat_stream, completion, completion_stream
 from fornax.server.protocol import (
     ChatCompletionRequest,
@@ -41,7 +41,7 @@ from fornax.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
-)  # fmt: skip
+)
 from fornax.server.serving import (
     json_response,
     parse_request,
@@ -110,9 +110,15 @@ async def models(request: Request) -> Response:
         adapter = (
             model.engine.core.lora.registry.get(name) if model.engine and model.engine.core.lora else None
         )
-        cards.append(ModelCard(id=name, created=int(state.started_at), parent=model.name,
-                               root=adapter.path if adapter is not None else None,
-                               max_model_len=model.engine.max_model_len if model.engine else None))  # fmt: skip
+        cards.append(
+            ModelCard(
+                id=name,
+                created=int(state.started_at),
+                parent=model.name,
+                root=adapter.path if adapter is not None else None,
+                max_model_len=model.engine.max_model_len if model.engine else None,
+            )
+        )
     return json_response(ModelList(data=cards))
 
 
@@ -146,13 +152,17 @@ async def completions(request: Request) -> Response:
     prompt_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
     await asyncio.to_thread(_check_prompt_ids, prompt_ids, vocab)  # up to 4 MiB of ids: off the loop
     longest = max(prompt_ids, key=len)
-    max_tokens = resolve_max_tokens(req.max_tokens, len(longest), engine.max_model_len, state.config,
-                                    "max_tokens")  # fmt: skip
+    max_tokens = resolve_max_tokens(
+        req.max_tokens, len(longest), engine.max_model_len, state.config, "max_tokens"
+    )
     if constraint is not None:
         await compile_constraint(engine.compile_grammar, constraint)
     params = build_sampling_params(req, max_tokens, k, vocab, constraint)
-    echo = [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
-            for p in prompts] if req.echo else None  # fmt: skip
+    echo = (
+        [p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+        if req.echo
+        else None
+    )
     gen = start_generation(
         state, request, engine, "cmpl", "completions", prompt_ids, params, req.priority, req.stream
     )
@@ -192,8 +202,12 @@ async def tokenize(request: Request) -> dict[str, Any]:
     messages, param = check_tokenize_input(req, state.config, max_len)
     try:
         if messages is not None:
-            ids = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages,
-                                          add_generation_prompt=req.add_generation_prompt, tokenize=True)  # fmt: skip
+            ids = await asyncio.to_thread(
+                engine.tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=True,
+            )
         else:
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
     except ValueError as exc:
@@ -226,18 +240,26 @@ async def admin_usage(request: Request) -> dict[str, Any]:
 async def admin_state(request: Request) -> dict[str, Any]:
     state = server_state(request)
     out: dict[str, Any] = {
-        "ready": state.ready, "draining": state.draining, "loading": state.engine is None,
-        "inflight_requests": len(state.inflight), "queued_requests": state.num_queued,
-        "aborted_requests": state.num_aborted, "rejected_queue_full": state.num_rejected_queue_full,
-    }  # fmt: skip
+        "ready": state.ready,
+        "draining": state.draining,
+        "loading": state.engine is None,
+        "inflight_requests": len(state.inflight),
+        "queued_requests": state.num_queued,
+        "aborted_requests": state.num_aborted,
+        "rejected_queue_full": state.num_rejected_queue_full,
+    }
     if state.engine is not None and state.engine.dead_error is None:  # the first model's, at top level
         out.update(await state.engine.call(_engine_snapshot))
         out["engine_streams"] = state.engine.num_unfinished
     models = []
     for model in state.models.models:
-        entry: dict[str, Any] = {"name": model.name, "loaded": model.engine is not None,
-                                 "loading": model.loading is not None, "leases": model.leases,
-                                 "load_error": model.load_error}  # fmt: skip
+        entry: dict[str, Any] = {
+            "name": model.name,
+            "loaded": model.engine is not None,
+            "loading": model.loading is not None,
+            "leases": model.leases,
+            "load_error": model.load_error,
+        }
         if model.engine is not None and model.engine.dead_error is None:
             entry.update(await model.engine.call(_engine_snapshot))
             entry["engine_streams"] = model.engine.num_unfinished
@@ -265,5 +287,9 @@ def _engine_snapshot(core: EngineCore) -> dict[str, Any]:
     except AssertionError as exc:
         integrity = f"broken: {exc}"
     stats = core.stats()
-    return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-            "kv_cache_usage": stats.kv_cache_usage, "kv_integrity": integrity}  # fmt: skip
+    return {
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "kv_cache_usage": stats.kv_cache_usage,
+        "kv_integrity": integrity,
+    }

@@ -61,7 +61,7 @@ def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModel
         models = [ServedModelConfig(config.served_model_names, models)]
     served = [
         ServedModel(m, Metrics(m.names[0], m.engine.scheduler.max_model_len), LiveStats()) for m in models
-    ]  # fmt: skip
+    ]
     model_set = ModelSet(served, config.max_loaded_models, config.model_load_timeout_s, config.retry_after_s)
     state = ServerState(config=config, models=model_set)
 
@@ -83,8 +83,14 @@ def create_app(config: ServerConfig, models: EngineConfig | Sequence[ServedModel
             body_parser.shutdown()  # kills its worker process, if one was started: it may be stuck
 
     # /openapi.json describes the API (server/openapi.py); no docs pages: they load from a CDN.
-    app = FastAPI(title="fornax", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")  # fmt: skip
+    app = FastAPI(
+        title="fornax",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     install_openapi(app, tuple(model_set.by_name))
     app.state.fornax = state
     app.state.exit_code = 0
@@ -138,8 +144,13 @@ async def _load_engine(app: FastAPI, state: ServerState, model: ServedModel) -> 
     if state.models.thread is None:
         state.models.thread = EngineThread()
     engine.start(loop, state.models.thread)
-    logger.info("model %s ready in %.1fs (context %d tokens); serving as %s", config.model,
-                time.monotonic() - start, engine.max_model_len, ", ".join(model.config.names))  # fmt: skip
+    logger.info(
+        "model %s ready in %.1fs (context %d tokens); serving as %s",
+        config.model,
+        time.monotonic() - start,
+        engine.max_model_len,
+        ", ".join(model.config.names),
+    )
     return engine
 
 
@@ -148,8 +159,9 @@ def _engine_died(app: FastAPI, state: ServerState, exc: BaseException) -> None:
     and /health answers 503; exit non-zero so a supervisor (systemd, Kubernetes, Ray) starts
     a fresh process. uvicorn lets the error answers being written finish first."""
     grace = min(DEAD_ENGINE_GRACE_S, state.config.shutdown_timeout_s)
-    logger.critical("the engine has stopped (%s: %s): exiting with status 1 in %.1fs", type(exc).__name__,
-                    exc, grace)  # fmt: skip
+    logger.critical(
+        "the engine has stopped (%s: %s): exiting with status 1 in %.1fs", type(exc).__name__, exc, grace
+    )
     app.state.exit_code = 1
     if app.state.on_fatal is not None:
         asyncio.get_running_loop().call_later(grace, app.state.on_fatal)
@@ -247,10 +259,17 @@ def serve(config: ServerConfig, models: EngineConfig | Sequence[ServedModelConfi
     # h11 and asyncio named, not uvicorn's "auto": httptools and uvloop are installed for the
     # router, and must not change the server's parser or event loop behind its back.
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_config=None, log_level=config.log_level,
-        access_log=config.access_log, timeout_graceful_shutdown=min(5, config.shutdown_timeout_s),
-        lifespan="on", http="h11", loop="asyncio",
-    )  # fmt: skip
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=min(5, config.shutdown_timeout_s),
+        lifespan="on",
+        http="h11",
+        loop="asyncio",
+    )
     server = DrainingServer(uv_config, app.state.fornax)
 
     def fatal() -> None:

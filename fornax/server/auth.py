@@ -76,15 +76,21 @@ class Gate:
         if path not in self.public and not path.startswith(_PUBLIC_PAGE_PREFIX):
             who = self.keys.identify(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             if who is None:
-                err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
-                               "'x-api-key: <key>')", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                err = ApiError(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await _send(err, scope, receive, send)
                 return
             scope.setdefault("state", {}).update(key_name=who[0], key_role=who[1])
             if (path == "/admin" or path.startswith("/admin/") or path in ADMIN_PATHS) and who[1] != ADMIN:
-                err = ApiError(403, f"this key may not use {path} (it needs an admin key: --admin-key)",
-                               code="permission_denied")  # fmt: skip
+                err = ApiError(
+                    403,
+                    f"this key may not use {path} (it needs an admin key: --admin-key)",
+                    code="permission_denied",
+                )
                 await _send(err, scope, receive, send)
                 return
             if not path.startswith(_ALWAYS_AVAILABLE) and not self.state.ready:

@@ -104,9 +104,12 @@ async def parse_body(request: Request, model_cls: type[M], max_bytes: int) -> M:
 
 
 async def parse_bytes(
-    raw: bytes, model_cls: type[M], *, inline_max_bytes: int = INLINE_MAX_BYTES,
+    raw: bytes,
+    model_cls: type[M],
+    *,
+    inline_max_bytes: int = INLINE_MAX_BYTES,
     timeout_s: float = PARSE_TIMEOUT_S,
-) -> M:  # fmt: skip
+) -> M:
     if len(raw) <= inline_max_bytes:
         return await asyncio.to_thread(parse_raw, raw, model_cls)
     outcome = await _in_worker(raw, model_cls, timeout_s)
@@ -136,8 +139,11 @@ def parse_packed(raw: bytes, model_cls: type[BaseModel]) -> Packed | Failure:
 
 
 def pack(model: BaseModel) -> Packed:
-    fields = {name: _pack_value(value) for name, value in model.__dict__.items()
-              if name in model.model_fields_set and isinstance(value, (list, dict))}  # fmt: skip
+    fields = {
+        name: _pack_value(value)
+        for name, value in model.__dict__.items()
+        if name in model.model_fields_set and isinstance(value, (list, dict))
+    }
     skeleton = model.model_copy(update=dict.fromkeys(fields)) if fields else model
     return Packed(skeleton, fields)
 
@@ -223,8 +229,12 @@ async def _in_worker(raw: bytes, model_cls: type[BaseModel], timeout_s: float) -
         ) from None
     except TimeoutError:
         _replace(pool)
-        raise ApiError(503, f"parsing the request body took longer than {timeout_s:g} s; the request "
-                       "was not run", code="service_unavailable", headers={"Retry-After": "1"}) from None  # fmt: skip
+        raise ApiError(
+            503,
+            f"parsing the request body took longer than {timeout_s:g} s; the request was not run",
+            code="service_unavailable",
+            headers={"Retry-After": "1"},
+        ) from None
 
 
 def _submit(raw: bytes, model_cls: type[BaseModel]) -> tuple[ProcessPoolExecutor, Future[Packed | Failure]]:
@@ -242,8 +252,9 @@ def _pool() -> ProcessPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_init_worker)  # fmt: skip
+            _executor = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+            )
         return _executor
 
 

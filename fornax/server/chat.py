@@ -25,7 +25,7 @@ from fornax.server.limits import (
     check_text_fits,
     message_texts,
     resolve_max_tokens,
-)  # fmt: skip
+)
 from fornax.server.openai_format import TokenText
 from fornax.server.protocol import ChatCompletionRequest
 from fornax.server.serving import require_generation, start_generation
@@ -85,9 +85,15 @@ def thinking_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 async def start_chat(
-    request: Request, state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, k: int | None,
-    *, prefix: str = "chatcmpl", endpoint: str = "chat",
-) -> ChatRun:  # fmt: skip
+    request: Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    req: ChatCompletionRequest,
+    k: int | None,
+    *,
+    prefix: str = "chatcmpl",
+    endpoint: str = "chat",
+) -> ChatRun:
     """Check, render and admit one chat request (400s name the chat field at fault)."""
     require_generation(engine, request.state.served_model)
     template = engine.tokenizer.chat_template
@@ -97,9 +103,13 @@ async def start_chat(
     prompt, ids, continued_message = await render_prompt(state, engine, req, tools)
     continued = continued_message if continued_message is not None else prompt
     use_new = req.max_completion_tokens is not None
-    max_tokens = resolve_max_tokens(req.max_completion_tokens if use_new else req.max_tokens, len(ids),
-                                    engine.max_model_len, state.config,
-                                    "max_completion_tokens" if use_new else "max_tokens")  # fmt: skip
+    max_tokens = resolve_max_tokens(
+        req.max_completion_tokens if use_new else req.max_tokens,
+        len(ids),
+        engine.max_model_len,
+        state.config,
+        "max_completion_tokens" if use_new else "max_tokens",
+    )
     if constraint is not None:
         constraint = _after_reasoning(constraint, reasoning, continued, template, thinking_kwargs(req))
         await compile_constraint(engine.compile_grammar, constraint)
@@ -122,8 +132,15 @@ async def render_prompt(
     messages = prepare_messages(messages, tools.tools, tools.template_supports_tools)
     template_tools = tools.tools if tools.template_supports_tools else None
     try:
-        prompt = await asyncio.to_thread(_render, engine, messages, req.add_generation_prompt, template_tools,
-                                         thinking_kwargs(req), continued_message)  # fmt: skip
+        prompt = await asyncio.to_thread(
+            _render,
+            engine,
+            messages,
+            req.add_generation_prompt,
+            template_tools,
+            thinking_kwargs(req),
+            continued_message,
+        )
         ids = await asyncio.to_thread(engine.tokenizer.encode, prompt, False)
     except ValueError as exc:  # ChatTemplateError: missing, broken or over-budget template
         raise bad_request(str(exc), param="messages") from None
@@ -135,19 +152,28 @@ def _check_continuation(req: ChatCompletionRequest, messages: list[dict[str, Any
     last = messages[-1]
     if req.continue_final_message:
         if req.add_generation_prompt:
-            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: "
-                              "set add_generation_prompt to false", param="continue_final_message")  # fmt: skip
+            raise bad_request(
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true: "
+                "set add_generation_prompt to false",
+                param="continue_final_message",
+            )
         if last["role"] != "assistant":
-            raise bad_request("'continue_final_message' needs the last message to be the assistant's",
-                              param="continue_final_message")  # fmt: skip
+            raise bad_request(
+                "'continue_final_message' needs the last message to be the assistant's",
+                param="continue_final_message",
+            )
         return str(last["content"])
     return str(last["content"]) if req.echo and last["role"] == "assistant" else None
 
 
 def _render(
-    engine: AsyncEngine, messages: list[dict[str, Any]], add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], continued: str | None,
-) -> str:  # fmt: skip
+    engine: AsyncEngine,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+    continued: str | None,
+) -> str:
     """The prompt text. Continuing the final message cuts the render right after that message's
     text, so whatever the template closes a turn with is left off, as transformers does."""
     text = engine.tokenizer.apply_chat_template(
@@ -159,15 +185,20 @@ def _render(
     body = continued.strip()
     at = text.rfind(body) if body else -1
     if at < 0:
-        raise bad_request("the chat template does not write the final message's text as given, so it "
-                          "cannot be continued", param="continue_final_message")  # fmt: skip
+        raise bad_request(
+            "the chat template does not write the final message's text as given, so it cannot be continued",
+            param="continue_final_message",
+        )
     return text[: at + len(body)]
 
 
 def _after_reasoning(
-    constraint: StructuredOutputsParams, reasoning: ReasoningFormat | None, continued: str,
-    template: str | None, kwargs: dict[str, Any],
-) -> StructuredOutputsParams:  # fmt: skip
+    constraint: StructuredOutputsParams,
+    reasoning: ReasoningFormat | None,
+    continued: str,
+    template: str | None,
+    kwargs: dict[str, Any],
+) -> StructuredOutputsParams:
     """The constraint holds for the answer, not the thinking: when the output will reason first,
     the grammar starts after the end tag. It will when the prompt opened the reasoning, the format
     always starts in it, or the template thinks by default and the request did not switch it off."""

@@ -72,8 +72,11 @@ class ScoreRequest(_Request):
 async def embeddings(request: Request) -> Response:
     state, engine, req, model = await parse_request(request, EmbeddingRequest)
     if engine.model_config.pooling.cross_encoder:
-        raise bad_request(f"the model '{model}' is a cross-encoder: it scores text pairs (/v1/rerank, "
-                          "/v1/score) and gives no embeddings", param="model")  # fmt: skip
+        raise bad_request(
+            f"the model '{model}' is a cross-encoder: it scores text pairs (/v1/rerank, "
+            "/v1/score) and gives no embeddings",
+            param="model",
+        )
     try:
         pooling = PoolingParams(dimensions=req.dimensions)
     except PoolingParamsError as exc:  # dimensions that no model takes (0, negative)
@@ -103,8 +106,12 @@ async def rerank(request: Request) -> Response:
         if req.return_documents:
             r["document"] = {"text": req.documents[r["index"]]}
     top = results[: req.top_n] if req.top_n is not None else results
-    body = {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": gen.num_prompt_tokens},
-            "results": top}  # fmt: skip
+    body = {
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": model,
+        "usage": {"total_tokens": gen.num_prompt_tokens},
+        "results": top,
+    }
     return JSONResponse(body)
 
 
@@ -120,17 +127,30 @@ async def score(request: Request) -> Response:
     scores, gen = await _scores(request, state, engine, req, pairs, "text_2", first)
     data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     usage = {"prompt_tokens": gen.num_prompt_tokens, "total_tokens": gen.num_prompt_tokens}
-    return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                         "model": model, "data": data, "usage": usage})  # fmt: skip
+    return JSONResponse(
+        {
+            "id": f"score-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": usage,
+        }
+    )
 
 
 # ---- the work ----------------------------------------------------------------------------------
 
 
 async def _scores(
-    request: Request, state: ServerState, engine: AsyncEngine, req: _Request, pairs: list[tuple[str, str]],
-    param: str, firsts: list[str] | None = None,
-) -> tuple[list[float], Generation]:  # fmt: skip
+    request: Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    req: _Request,
+    pairs: list[tuple[str, str]],
+    param: str,
+    firsts: list[str] | None = None,
+) -> tuple[list[float], Generation]:
     """Each pair's score, and the finished Generation: a cross-encoder's head on the pair, else
     the cosine of the two texts' embeddings (each first text embedded once: `firsts`, else the
     pairs' one shared first text)."""
@@ -143,9 +163,13 @@ async def _scores(
 
 
 async def _cross_encode(
-    request: Request, state: ServerState, engine: AsyncEngine, req: _Request, pairs: list[tuple[str, str]],
+    request: Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    req: _Request,
+    pairs: list[tuple[str, str]],
     param: str,
-) -> tuple[list[float], Generation]:  # fmt: skip
+) -> tuple[list[float], Generation]:
     """One pooling request per pair, the pair tokenized as one sequence with its token types
     (Tokenizer.encode_pairs); each request's pooled "vector" is the head's one score."""
     try:
@@ -165,8 +189,18 @@ async def _cross_encode(
         check_token_ids(ids, vocab, param)
         check_token_count(ids, max_len, param)
     pooling = [PoolingParams(token_type_ids=tuple(types)) for _, types in encoded]
-    gen = start_generation(state, request, engine, "embd", "embeddings", [ids for ids, _ in encoded],
-                           POOLING_SAMPLING, req.priority, False, pooling=pooling)  # fmt: skip
+    gen = start_generation(
+        state,
+        request,
+        engine,
+        "embd",
+        "embeddings",
+        [ids for ids, _ in encoded],
+        POOLING_SAMPLING,
+        req.priority,
+        False,
+        pooling=pooling,
+    )
     await run_to_end(request, gen)
     scores = [c.embedding[0] for c in gen.choices if c.embedding]
     if len(scores) != len(pairs):  # the engine ends every pooling request with its vector
@@ -177,15 +211,22 @@ async def _cross_encode(
 def _truncation(req: _Request, max_len: int) -> int | None:
     truncate = req.truncate_prompt_tokens
     if truncate is not None and truncate > max_len:
-        raise bad_request(f"'truncate_prompt_tokens' must be at most the model's context of {max_len}",
-                          param="truncate_prompt_tokens")  # fmt: skip
+        raise bad_request(
+            f"'truncate_prompt_tokens' must be at most the model's context of {max_len}",
+            param="truncate_prompt_tokens",
+        )
     return truncate
 
 
 async def _embed(
-    request: Request, state: ServerState, engine: AsyncEngine, req: _Request, inputs: Any, param: str,
+    request: Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    req: _Request,
+    inputs: Any,
+    param: str,
     pooling: PoolingParams,
-) -> Generation:  # fmt: skip
+) -> Generation:
     """Tokenize, bound and run one pooling request per input; the finished Generation (one
     choice per input, in order, each with its `embedding`)."""
     prompts = check_prompts(inputs, state.config, param)
@@ -206,8 +247,18 @@ async def _embed(
         check_token_count(one, max_len, param)
     # What the model cannot serve (dimensions of a model without Matryoshka training, a model
     # that pools nothing) the engine refuses at submission: run_to_end answers it as a 400.
-    gen = start_generation(state, request, engine, "embd", "embeddings", ids, POOLING_SAMPLING, req.priority,
-                           False, pooling=pooling)  # fmt: skip
+    gen = start_generation(
+        state,
+        request,
+        engine,
+        "embd",
+        "embeddings",
+        ids,
+        POOLING_SAMPLING,
+        req.priority,
+        False,
+        pooling=pooling,
+    )
     await run_to_end(request, gen)
     return gen
 

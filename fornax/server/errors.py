@@ -115,8 +115,11 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
 
 
 def _is_type_tag(part: str) -> bool:
-    return any(c in part for c in "[]()") or part in {"str", "int", "float", "bool", "list", "dict"} or \
-        part.startswith(("function-", "constrained-", "lax-", "strict-"))  # fmt: skip
+    return (
+        any(c in part for c in "[]()")
+        or part in {"str", "int", "float", "bool", "list", "dict"}
+        or part.startswith(("function-", "constrained-", "lax-", "strict-"))
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

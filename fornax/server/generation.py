@@ -148,8 +148,14 @@ class Generation:
     async def _merged(self) -> AsyncIterator[tuple[int, EngineOutput]]:
         """All prompts' outputs in arrival order, tagged with the prompt's index."""
         if len(self.prompts) == 1:
-            gen = self.engine.generate(self.engine_ids[0], self.prompts[0], self._engine_params(0),
-                                       self.priority, cache_salt=self.cache_salt, lora=self.lora)  # fmt: skip
+            gen = self.engine.generate(
+                self.engine_ids[0],
+                self.prompts[0],
+                self._engine_params(0),
+                self.priority,
+                cache_salt=self.cache_salt,
+                lora=self.lora,
+            )
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     yield 0, out
@@ -158,8 +164,14 @@ class Generation:
 
         async def pump(p: int) -> None:
             try:
-                gen = self.engine.generate(self.engine_ids[p], self.prompts[p], self._engine_params(p),
-                                           self.priority, cache_salt=self.cache_salt, lora=self.lora)  # fmt: skip
+                gen = self.engine.generate(
+                    self.engine_ids[p],
+                    self.prompts[p],
+                    self._engine_params(p),
+                    self.priority,
+                    cache_salt=self.cache_salt,
+                    lora=self.lora,
+                )
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((p, out))

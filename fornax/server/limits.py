@@ -22,7 +22,7 @@ from fornax.server.protocol import (
     CompletionRequest,
     TokenizeRequest,
     _SamplingFields,
-)  # fmt: skip
+)
 
 M = TypeVar("M", bound=BaseModel)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -110,8 +110,9 @@ def check_messages(messages: list[ChatMessage], config: ServerConfig) -> list[di
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}]: only text content parts are supported",
-                                      param=f"messages.{i}.content")  # fmt: skip
+                    raise bad_request(
+                        f"messages[{i}]: only text content parts are supported", param=f"messages.{i}.content"
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         entry: dict[str, Any] = {"role": m.role, "content": content or ""}
@@ -121,10 +122,13 @@ def check_messages(messages: list[ChatMessage], config: ServerConfig) -> list[di
             entry["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             entry["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
                 for c in m.tool_calls
-            ]  # fmt: skip
+            ]
         out.append(entry)
     return out
 
@@ -144,8 +148,9 @@ def check_prompts(prompt: Any, config: ServerConfig, param: str = "prompt") -> l
     if not prompts:
         raise bad_request(f"'{param}' must not be empty", param=param)
     if len(prompts) > config.max_prompts:
-        raise bad_request(f"at most {config.max_prompts} prompts are allowed in one request (--max-prompts)",
-                          param=param)  # fmt: skip
+        raise bad_request(
+            f"at most {config.max_prompts} prompts are allowed in one request (--max-prompts)", param=param
+        )
     for p in prompts:
         if isinstance(p, list) and not p:
             raise bad_request("a token-id prompt must not be empty", param=param)
@@ -172,16 +177,20 @@ def check_text_fits(texts: list[str], max_model_len: int, param: str) -> None:
 
 def check_token_count(ids: list[int], max_model_len: int, param: str) -> None:
     if len(ids) > max_model_len:
-        raise bad_request(f"{len(ids)} tokens are more than this model's context of {max_model_len}",
-                          param=param, code="context_length_exceeded")  # fmt: skip
+        raise bad_request(
+            f"{len(ids)} tokens are more than this model's context of {max_model_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def message_texts(messages: list[dict[str, Any]]) -> list[str]:
     return [m["content"] for m in messages if isinstance(m.get("content"), str)]
 
 
-def check_tokenize_input(req: TokenizeRequest, config: ServerConfig, max_model_len: int
-                         ) -> tuple[list[dict[str, Any]] | None, str]:  # fmt: skip
+def check_tokenize_input(
+    req: TokenizeRequest, config: ServerConfig, max_model_len: int
+) -> tuple[list[dict[str, Any]] | None, str]:
     """What /tokenize and /v1/fornax/tokens check before tokenizing: exactly one of prompt and
     messages, the messages' shape, and text that could fit the context. Returns (the messages
     as template dicts, or None for a prompt; the param name errors should carry)."""
@@ -218,8 +227,9 @@ def resolve_max_tokens(
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
             f"{num_prompt_tokens} tokens, which leaves no room for a completion.",
-            param="messages" if param == "max_completion_tokens" else "prompt", code="context_length_exceeded",
-        )  # fmt: skip
+            param="messages" if param == "max_completion_tokens" else "prompt",
+            code="context_length_exceeded",
+        )
     if requested is None:
         budget = room
     else:
@@ -230,8 +240,9 @@ def resolve_max_tokens(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} "
                 f"for the completion, '{param}'). Please reduce the prompt or the completion length.",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                param=param,
+                code="context_length_exceeded",
+            )
         budget = requested
     if config.max_tokens_limit is not None:
         budget = min(budget, config.max_tokens_limit)
@@ -247,8 +258,9 @@ def check_sampling_fields(req: _SamplingFields, config: ServerConfig, vocab_size
         raise bad_request(f"at most {config.max_stop_strings} stop sequences are allowed", param="stop")
     for s in stops:
         if not s or len(s) > config.max_stop_string_chars:
-            raise bad_request(f"stop sequences must be 1 to {config.max_stop_string_chars} characters",
-                              param="stop")  # fmt: skip
+            raise bad_request(
+                f"stop sequences must be 1 to {config.max_stop_string_chars} characters", param="stop"
+            )
     if len(req.stop_token_ids or []) > config.max_stop_strings * 4:
         raise bad_request("too many stop_token_ids", param="stop_token_ids")
     check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
@@ -256,8 +268,10 @@ def check_sampling_fields(req: _SamplingFields, config: ServerConfig, vocab_size
         raise bad_request(f"logit_bias may have at most {config.max_logit_bias} entries", param="logit_bias")
     low, high = PRIORITY_RANGE
     if not low <= req.priority <= high:
-        raise bad_request(f"'priority' must be in [{low}, {high}] (lower runs earlier), got {req.priority}",
-                          param="priority")  # fmt: skip
+        raise bad_request(
+            f"'priority' must be in [{low}, {high}] (lower runs earlier), got {req.priority}",
+            param="priority",
+        )
     if req.top_k is not None and not req.top_k >= -1:
         raise bad_request(f"'top_k' must be -1, 0 or positive, got {req.top_k}", param="top_k")
     if req.stream_options is not None and not req.stream:
@@ -291,8 +305,9 @@ def num_logprobs(req: ChatCompletionRequest | CompletionRequest, config: ServerC
         raise bad_request(f"'{param}' must be in [0, {config.max_top_logprobs}], got {k}", param=param)
     p = req.prompt_logprobs
     if p is not None and not 0 <= p <= config.max_top_logprobs:
-        raise bad_request(f"'prompt_logprobs' must be in [0, {config.max_top_logprobs}], got {p}",
-                          param="prompt_logprobs")  # fmt: skip
+        raise bad_request(
+            f"'prompt_logprobs' must be in [0, {config.max_top_logprobs}], got {p}", param="prompt_logprobs"
+        )
     return k
 
 
@@ -304,8 +319,10 @@ def build_sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     echo_logprobs = isinstance(req, CompletionRequest) and req.echo and logprobs is not None
-    prompt_logprobs = max(req.prompt_logprobs if req.prompt_logprobs is not None else -1,
-                          logprobs if echo_logprobs and logprobs is not None else -1)  # fmt: skip
+    prompt_logprobs = max(
+        req.prompt_logprobs if req.prompt_logprobs is not None else -1,
+        logprobs if echo_logprobs and logprobs is not None else -1,
+    )
     try:
         return SamplingParams(
             n=req.n,
@@ -352,13 +369,22 @@ def reject_unimplemented(body: dict[str, Any]) -> None:
     """400 naming the first field whose value asks for something fornax cannot do yet."""
     for name, harmless in _UNIMPLEMENTED.items():
         if name in body and body[name] not in harmless:
-            raise bad_request(f"'{name}' is not supported by this server; the request was not run",
-                              param=name, code="unsupported_parameter")  # fmt: skip
+            raise bad_request(
+                f"'{name}' is not supported by this server; the request was not run",
+                param=name,
+                code="unsupported_parameter",
+            )
     for name, value in body.items():
         if name.startswith("guided_") and value is not None and name not in _GUIDED_SERVED | _GUIDED_HARMLESS:
-            raise bad_request(f"'{name}' is not supported by this server; use structured_outputs",
-                              param=name, code="unsupported_parameter")  # fmt: skip
+            raise bad_request(
+                f"'{name}' is not supported by this server; use structured_outputs",
+                param=name,
+                code="unsupported_parameter",
+            )
     best_of, n = body.get("best_of"), body.get("n", 1)
     if best_of is not None and best_of != n and best_of != 1:
-        raise bad_request("'best_of' other than n is not supported: every sample is returned (use n)",
-                          param="best_of", code="unsupported_parameter")  # fmt: skip
+        raise bad_request(
+            "'best_of' other than n is not supported: every sample is returned (use n)",
+            param="best_of",
+            code="unsupported_parameter",
+        )

@@ -60,7 +60,7 @@ async def load_lora_adapter(request: Request) -> Response:
         raise bad_request(
             f"the name '{req.lora_name}' is already in use", param="lora_name", code="name_in_use"
         )
-    lora = model.engine.core.lora  # type: ignore[union-attr]
+    lora = model.engine.core.lora
     try:
         await asyncio.to_thread(lora.load, req.lora_name, Path(req.lora_path))
     except AdapterError as exc:
@@ -77,8 +77,12 @@ async def unload_lora_adapter(request: Request) -> Response:
     req = await parse_body(request, UnloadLoRAAdapterRequest, state.config.max_body_bytes)
     model = state.models.adapters.get(req.lora_name)
     if model is None:
-        raise ApiError(404, f"no LoRA adapter named '{req.lora_name}' is loaded", param="lora_name",
-                       code="adapter_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"no LoRA adapter named '{req.lora_name}' is loaded",
+            param="lora_name",
+            code="adapter_not_found",
+        )
     del state.models.adapters[req.lora_name]
     model.runtime_adapters.pop(req.lora_name, None)
     lora = model.engine.core.lora if model.engine is not None else None

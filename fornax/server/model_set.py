@@ -99,8 +99,12 @@ class ModelSet:
         model = self.by_name.get(name) or self.adapters.get(name)
         if model is None:
             served = ", ".join([*self.by_name, *self.adapters])
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves {served}",
+                param="model",
+                code="model_not_found",
+            )
         return model
 
     def set_loader(self, load: Loader) -> None:
@@ -124,8 +128,12 @@ class ModelSet:
         try:
             return await asyncio.wait_for(asyncio.shield(model.loading), self.load_timeout_s)
         except TimeoutError:
-            raise ApiError(503, f"the model '{model.name}' is still loading", code="model_loading",
-                           headers={"Retry-After": str(self.retry_after_s)}) from None  # fmt: skip
+            raise ApiError(
+                503,
+                f"the model '{model.name}' is still loading",
+                code="model_loading",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
         except ApiError:
             raise
         except Exception as exc:
@@ -142,12 +150,18 @@ class ModelSet:
             ]
             if len(occupied) < self.max_loaded:
                 return
-            idle = sorted((m for m in occupied if m.engine is not None and m.idle and m is not model),
-                          key=lambda m: m.last_used)  # fmt: skip
+            idle = sorted(
+                (m for m in occupied if m.engine is not None and m.idle and m is not model),
+                key=lambda m: m.last_used,
+            )
             if not idle:
-                raise ApiError(503, f"{len(occupied)} model(s) are loaded and busy (--max-loaded-models "
-                               f"{self.max_loaded}); retry shortly", code="models_busy",
-                               headers={"Retry-After": str(self.retry_after_s)})  # fmt: skip
+                raise ApiError(
+                    503,
+                    f"{len(occupied)} model(s) are loaded and busy (--max-loaded-models "
+                    f"{self.max_loaded}); retry shortly",
+                    code="models_busy",
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )
             await self.unload(idle[0])
 
     def start_load(self, model: ServedModel) -> asyncio.Future[AsyncEngine]:

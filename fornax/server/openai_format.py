@@ -38,7 +38,7 @@ from fornax.server.protocol import (
     ToolCall,
     TopLogprob,
     Usage,
-)  # fmt: skip
+)
 from fornax.tokenizer import Tokenizer
 from fornax.tools import ToolCallDelta, tool_finish_reason
 from fornax.tools.output import split_complete
@@ -121,8 +121,9 @@ class TokenText:
         return out
 
 
-def _append(lp: CompletionLogprobs, text: str, logprob: float | None, top: dict[str, float] | None,
-            choice: Choice) -> None:  # fmt: skip
+def _append(
+    lp: CompletionLogprobs, text: str, logprob: float | None, top: dict[str, float] | None, choice: Choice
+) -> None:
     lp.tokens.append(text)
     lp.token_logprobs.append(logprob)
     lp.top_logprobs.append(top)
@@ -137,8 +138,12 @@ def _finite(x: float) -> float:
 
 def usage_of(gen: Generation) -> Usage:
     p, c = gen.num_prompt_tokens, gen.num_completion_tokens
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens))  # fmt: skip
+    return Usage(
+        prompt_tokens=p,
+        completion_tokens=c,
+        total_tokens=p + c,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.num_cached_tokens),
+    )
 
 
 def _head(gen: Generation, model: str, created: int) -> dict[str, Any]:
@@ -164,12 +169,17 @@ def chat_completion(run: ChatRun, model: str, k: int | None) -> ChatCompletion:
     choices = []
     for c in gen.choices:
         split = split_complete(run.splitter(), c.text)
-        calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                 for call in split.calls]  # fmt: skip
+        calls = [
+            ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+            for call in split.calls
+        ]
         # With tools, blank text beside the calls is no content (OpenAI sends null).
         content = split.content if run.tools.parser_name is None or split.content.strip() else None
-        message = ResponseMessage(content=run.echo + (content or "") if run.echo else content,
-                                  reasoning_content=split.reasoning, tool_calls=calls or None)  # fmt: skip
+        message = ResponseMessage(
+            content=run.echo + (content or "") if run.echo else content,
+            reasoning_content=split.reasoning,
+            tool_calls=calls or None,
+        )
         finish_reason = tool_finish_reason(bool(calls), c.finish_reason)
         logprobs = None if k is None else ChatLogprobs(content=text.chat(c.logprobs, k))
         choices.append(
@@ -178,8 +188,13 @@ def chat_completion(run: ChatRun, model: str, k: int | None) -> ChatCompletion:
     prompt_lp = text.prompt_logprobs(
         gen.prompts[0], gen.choices[0].prompt_logprobs, gen.prompt_logprobs_shown
     )
-    return ChatCompletion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
-                          fornax=gen.timings(), prompt_logprobs=prompt_lp)  # fmt: skip
+    return ChatCompletion(
+        **_head(gen, model, int(time.time())),
+        choices=choices,
+        usage=usage_of(gen),
+        fornax=gen.timings(),
+        prompt_logprobs=prompt_lp,
+    )
 
 
 def completion(
@@ -197,10 +212,18 @@ def completion(
         prompt_lp = text.prompt_logprobs(
             gen.prompts[c.prompt_index], c.prompt_logprobs, gen.prompt_logprobs_shown
         )
-        choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=lp,
-                                        finish_reason=c.finish_reason, prompt_logprobs=prompt_lp))  # fmt: skip
-    return Completion(**_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen),
-                      fornax=gen.timings())  # fmt: skip
+        choices.append(
+            CompletionChoice(
+                index=c.index,
+                text=prefix + c.text,
+                logprobs=lp,
+                finish_reason=c.finish_reason,
+                prompt_logprobs=prompt_lp,
+            )
+        )
+    return Completion(
+        **_head(gen, model, int(time.time())), choices=choices, usage=usage_of(gen), fornax=gen.timings()
+    )
 
 
 def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> None:
@@ -224,10 +247,14 @@ SSE_DONE = "data: [DONE]\n\n"
 def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
     """Parser fragments -> OpenAI's delta.tool_calls: id, type and name on a call's first one."""
     return [
-        DeltaToolCall(index=d.index, id=d.id, type="function" if d.id is not None else None,
-                      function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
         for d in deltas
-    ] or None  # fmt: skip
+    ] or None
 
 
 async def chat_stream(
@@ -260,16 +287,23 @@ async def chat_stream(
                 prompt_lp = text.prompt_logprobs(gen.prompts[0], c.prompt_logprobs, gen.prompt_logprobs_shown)
             if piece or lp is not None or prompt_lp is not None:
                 plain = piece.content or not (calls or piece.reasoning)  # "" kept beside logprobs alone
-                delta = DeltaMessage(content=piece.content if plain else None,
-                                     reasoning_content=piece.reasoning or None, tool_calls=calls)  # fmt: skip
+                delta = DeltaMessage(
+                    content=piece.content if plain else None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=calls,
+                )
                 choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lp)
-                yield sse(ChatCompletionChunk(**head, choices=[choice], usage=usage.now(),
-                                              prompt_logprobs=prompt_lp))  # fmt: skip
+                yield sse(
+                    ChatCompletionChunk(
+                        **head, choices=[choice], usage=usage.now(), prompt_logprobs=prompt_lp
+                    )
+                )
             if out.finished:
                 reason = tool_finish_reason(splitter.called, c.finish_reason)
                 end = ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)
-                yield sse(ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings(),
-                                              usage=usage.now()))  # fmt: skip
+                yield sse(
+                    ChatCompletionChunk(**head, choices=[end], fornax=c.fornax_timings(), usage=usage.now())
+                )
         if usage.at_end:
             yield sse(ChatCompletionChunk(**head, choices=[], usage=usage_of(gen)))
     except Exception as exc:
@@ -291,9 +325,13 @@ class UsageStream:
 
 
 async def completion_stream(
-    gen: Generation, model: str, k: int | None, text: TokenText, echo_texts: list[str] | None,
+    gen: Generation,
+    model: str,
+    k: int | None,
+    text: TokenText,
+    echo_texts: list[str] | None,
     stream_options: StreamOptions | None,
-) -> AsyncIterator[str]:  # fmt: skip
+) -> AsyncIterator[str]:
     head = _head(gen, model, int(time.time()))
     usage = UsageStream(gen, stream_options)
     try:
@@ -304,8 +342,11 @@ async def completion_stream(
                 started.add(c.index)
                 prompt_ids = gen.prompts[c.prompt_index]
                 echo = echo_texts[c.prompt_index] if echo_texts is not None else ""
-                lp = (None if k is None or echo_texts is None
-                      else text.completion_prompt(prompt_ids, c.prompt_logprobs, k, c))  # fmt: skip
+                lp = (
+                    None
+                    if k is None or echo_texts is None
+                    else text.completion_prompt(prompt_ids, c.prompt_logprobs, k, c)
+                )
                 prompt_lp = text.prompt_logprobs(prompt_ids, c.prompt_logprobs, gen.prompt_logprobs_shown)
                 first = CompletionChoice(index=c.index, text=echo, logprobs=lp, prompt_logprobs=prompt_lp)
                 yield sse(Completion(**head, choices=[first], usage=usage.now()))
@@ -327,8 +368,11 @@ def stream_error(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, ValueError):
         return error_body(str(exc), "invalid_request_error")
     if isinstance(exc, RequestFailedError):  # the engine logged it; this request alone ended
-        return error_body("internal error while generating this request; it was ended",
-                          "server_error", code="internal_error")  # fmt: skip
+        return error_body(
+            "internal error while generating this request; it was ended",
+            "server_error",
+            code="internal_error",
+        )
     if isinstance(exc, EngineDeadError):
         return error_body(f"the engine has stopped: {exc}", "service_unavailable", code="engine_dead")
     logger.exception("error while streaming")

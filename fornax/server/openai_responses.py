@@ -128,18 +128,26 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         if getattr(req, name) not in (None, False, [], {}):
             raise bad_request(why, param=name)
     if req.include:
-        raise bad_request(f"include values are not supported (got {req.include[0][:64]!r}): reasoning is "
-                          "always returned whole, and logprobs are not offered here", param="include")  # fmt: skip
+        raise bad_request(
+            f"include values are not supported (got {req.include[0][:64]!r}): reasoning is "
+            "always returned whole, and logprobs are not offered here",
+            param="include",
+        )
     if req.truncation == "auto":
-        raise bad_request("truncation 'auto' is not supported: an input that does not fit is a 400",
-                          param="truncation")  # fmt: skip
+        raise bad_request(
+            "truncation 'auto' is not supported: an input that does not fit is a 400", param="truncation"
+        )
     if req.top_logprobs:
-        raise bad_request("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
-                          param="top_logprobs")  # fmt: skip
+        raise bad_request(
+            "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", param="top_logprobs"
+        )
     for name, value in (req.metadata or {}).items():
         if len(name) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-            raise bad_request(f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
-                              f"{MAX_METADATA_VALUE}", param="metadata")  # fmt: skip
+            raise bad_request(
+                f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
+                f"{MAX_METADATA_VALUE}",
+                param="metadata",
+            )
 
 
 def parse_input(value: str | list[dict[str, Any]]) -> list[BaseModel]:
@@ -151,8 +159,11 @@ def parse_input(value: str | list[dict[str, Any]]) -> list[BaseModel]:
         kind = raw.get("type", "message" if "role" in raw else None)
         model = INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
         if model is None:
-            raise bad_request(f"input[{i}]: item type {_short(kind)} is not supported (supported: "
-                              f"{', '.join(INPUT_ITEMS)})", param=f"input.{i}.type")  # fmt: skip
+            raise bad_request(
+                f"input[{i}]: item type {_short(kind)} is not supported (supported: "
+                f"{', '.join(INPUT_ITEMS)})",
+                param=f"input.{i}.type",
+            )
         try:
             item = model.model_validate(raw)
         except ValidationError as exc:
@@ -162,9 +173,11 @@ def parse_input(value: str | list[dict[str, Any]]) -> list[BaseModel]:
             for j, part in enumerate(parts):
                 if part.type not in TEXT_PARTS or part.text is None:
                     where = "content" if isinstance(item, MessageItem) else "output"
-                    raise bad_request(f"input[{i}]: only text content parts (input_text, output_text) are "
-                                      f"supported, got {_short(part.type)}",
-                                      param=f"input.{i}.{where}.{j}")  # fmt: skip
+                    raise bad_request(
+                        f"input[{i}]: only text content parts (input_text, output_text) are "
+                        f"supported, got {_short(part.type)}",
+                        param=f"input.{i}.{where}.{j}",
+                    )
         items.append(item)
     return items
 
@@ -180,8 +193,11 @@ def to_messages(instructions: str | None, items: list[BaseModel]) -> list[dict[s
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*(last.get("tool_calls") or []), call]
@@ -202,16 +218,30 @@ def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     """The chat request this Responses request is, field by field."""
     effort = req.reasoning.effort if req.reasoning is not None else None
     body: dict[str, Any] = {
-        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-        "seed": req.seed, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos, "priority": req.priority,
-        "cache_salt": req.cache_salt, "user": req.user, "stream": req.stream,
-        "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
-        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req),
-        "structured_outputs": req.structured_outputs, "chat_template_kwargs": req.chat_template_kwargs,
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "priority": req.priority,
+        "cache_salt": req.cache_salt,
+        "user": req.user,
+        "stream": req.stream,
+        "tools": _tools(req.tools),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req),
+        "structured_outputs": req.structured_outputs,
+        "chat_template_kwargs": req.chat_template_kwargs,
         "reasoning_effort": "high" if effort == "xhigh" else effort,  # the switch is on or off
-    }  # fmt: skip
+    }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
@@ -226,8 +256,11 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
-            raise bad_request(f"tools[{i}]: tool type {_short(kind)} is not supported: only function tools "
-                              "are (fornax runs no built-in tools)", param=f"tools.{i}.type")  # fmt: skip
+            raise bad_request(
+                f"tools[{i}]: tool type {_short(kind)} is not supported: only function tools "
+                "are (fornax runs no built-in tools)",
+                param=f"tools.{i}.type",
+            )
         function = {
             k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None
         }
@@ -239,8 +272,11 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function":
-        raise bad_request(f"tool_choice of type {_short(choice.get('type'))} is not supported: use none, auto, "
-                          "required or {type: function, name}", param="tool_choice")  # fmt: skip
+        raise bad_request(
+            f"tool_choice of type {_short(choice.get('type'))} is not supported: use none, auto, "
+            "required or {type: function, name}",
+            param="tool_choice",
+        )
     return {"type": "function", "function": {"name": choice.get("name")}}
 
 
@@ -326,16 +362,32 @@ class Turn:
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         reasoning = {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None}
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "error": None, "incomplete_details": None, "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "model": self.model, "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
-            "reasoning": reasoning, "store": req.store, "temperature": req.temperature,
-            "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}},
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": reasoning,
+            "store": req.store,
+            "temperature": req.temperature,
+            "text": {
+                "format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}
+            },
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": req.tools or [], "top_p": req.top_p, "truncation": "disabled", "usage": None,
-            "user": req.user, "metadata": req.metadata or {},
-        } | more  # fmt: skip
+            "tools": req.tools or [],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": None,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        } | more
 
     def finish(self) -> dict[str, Any]:
         """The finished response (every output read)."""
@@ -353,8 +405,9 @@ class Turn:
             "total_tokens": gen.num_prompt_tokens + gen.num_completion_tokens,
         }
         output = [item.render() for item in self.builder.items]
-        self.body = self.response(status, output, incomplete_details=details, usage=usage,
-                                  fornax=gen.timings())  # fmt: skip
+        self.body = self.response(
+            status, output, incomplete_details=details, usage=usage, fornax=gen.timings()
+        )
         return self.body
 
     def keep(self, store: ResponseStore, key: str) -> None:

@@ -57,9 +57,11 @@ class _Log:
 
 class RateLimiter:
     def __init__(
-        self, limits: tuple[tuple[str, RateLimit], ...] = (), clock: Callable[[], float] = time.monotonic,
+        self,
+        limits: tuple[tuple[str, RateLimit], ...] = (),
+        clock: Callable[[], float] = time.monotonic,
         window_s: float = WINDOW_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._limits = dict(limits)
         self._default = self._limits.pop("*", RateLimit())
         self.clock, self.window_s = clock, window_s
@@ -108,10 +110,12 @@ class RateLimiter:
         limit = self.limit_for(key)
         log = self._prune(key, self.clock()) if key in self._logs else _Log()
         return {
-            "requests_per_minute": limit.requests_per_minute, "tokens_per_minute": limit.tokens_per_minute,
-            "window_requests": len(log.entries), "window_tokens": log.tokens,
+            "requests_per_minute": limit.requests_per_minute,
+            "tokens_per_minute": limit.tokens_per_minute,
+            "window_requests": len(log.entries),
+            "window_tokens": log.tokens,
             "rejected_rate_limited": log.rejected,
-        }  # fmt: skip
+        }
 
     def keys(self) -> list[str]:
         return list(self._logs)

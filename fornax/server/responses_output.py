@@ -42,10 +42,21 @@ class OutputItem:
                 "status": self.status,
             }
         if self.kind == "message":
-            return {"id": self.id, "type": "message", "role": "assistant", "status": self.status,
-                    "content": [_output_text(text)] if whole else []}  # fmt: skip
-        return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
-                "arguments": text, "status": self.status}  # fmt: skip
+            return {
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "status": self.status,
+                "content": [_output_text(text)] if whole else [],
+            }
+        return {
+            "id": self.id,
+            "type": "function_call",
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": text,
+            "status": self.status,
+        }
 
 
 def _output_text(text: str) -> dict[str, Any]:
@@ -86,8 +97,14 @@ class OutputBuilder:
                 events.append(self._added(call))
             if delta.arguments:
                 call.text += delta.arguments
-                events.append({"type": "response.function_call_arguments.delta", "item_id": call.id,
-                               "output_index": call.index, "delta": delta.arguments})  # fmt: skip
+                events.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": call.id,
+                        "output_index": call.index,
+                        "delta": delta.arguments,
+                    }
+                )
         return events
 
     def finish(self, finish_reason: str | None) -> list[dict[str, Any]]:
@@ -112,8 +129,15 @@ class OutputBuilder:
         elif item.done:  # the answer has begun: a parser never goes back to reasoning
             return []
         item.text += text
-        events.append({"type": "response.reasoning_text.delta", "item_id": item.id, "output_index": item.index,
-                       "content_index": 0, "delta": text})  # fmt: skip
+        events.append(
+            {
+                "type": "response.reasoning_text.delta",
+                "item_id": item.id,
+                "output_index": item.index,
+                "content_index": 0,
+                "delta": text,
+            }
+        )
         return events
 
     def _content(self, text: str) -> list[dict[str, Any]]:
@@ -128,8 +152,16 @@ class OutputBuilder:
             text, self._held_content = self._held_content, ""
             events += [self._added(item), self._part("added", item)]
         item.text += text
-        events.append({"type": "response.output_text.delta", "item_id": item.id, "output_index": item.index,
-                       "content_index": 0, "delta": text, "logprobs": []})  # fmt: skip
+        events.append(
+            {
+                "type": "response.output_text.delta",
+                "item_id": item.id,
+                "output_index": item.index,
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            }
+        )
         return events
 
     def _open(self, kind: str, prefix: str) -> OutputItem:
@@ -146,14 +178,30 @@ class OutputBuilder:
         head = {"item_id": item.id, "output_index": item.index}
         events: list[dict[str, Any]]
         if item.kind == "function_call":
-            events = [{"type": "response.function_call_arguments.done", **head, "name": item.name,
-                       "arguments": item.text}]  # fmt: skip
+            events = [
+                {
+                    "type": "response.function_call_arguments.done",
+                    **head,
+                    "name": item.name,
+                    "arguments": item.text,
+                }
+            ]
         elif item.kind == "reasoning":
-            events = [{"type": "response.reasoning_text.done", **head, "content_index": 0, "text": item.text},
-                      self._part("done", item)]  # fmt: skip
+            events = [
+                {"type": "response.reasoning_text.done", **head, "content_index": 0, "text": item.text},
+                self._part("done", item),
+            ]
         else:
-            events = [{"type": "response.output_text.done", **head, "content_index": 0, "text": item.text,
-                       "logprobs": []}, self._part("done", item)]  # fmt: skip
+            events = [
+                {
+                    "type": "response.output_text.done",
+                    **head,
+                    "content_index": 0,
+                    "text": item.text,
+                    "logprobs": [],
+                },
+                self._part("done", item),
+            ]
         events.append(
             {"type": "response.output_item.done", "output_index": item.index, "item": item.render()}
         )
@@ -169,5 +217,10 @@ class OutputBuilder:
     def _part(self, stage: str, item: OutputItem) -> dict[str, Any]:
         text = item.text if stage == "done" else ""
         part = {"type": "reasoning_text", "text": text} if item.kind == "reasoning" else _output_text(text)
-        return {"type": f"response.content_part.{stage}", "item_id": item.id, "output_index": item.index,
-                "content_index": 0, "part": part}  # fmt: skip
+        return {
+            "type": f"response.content_part.{stage}",
+            "item_id": item.id,
+            "output_index": item.index,
+            "content_index": 0,
+            "part": part,
+        }

@@ -73,17 +73,32 @@ def routes_of(engine: AsyncEngine) -> list[str]:
 def require_generation(engine: AsyncEngine, model: str) -> None:
     """400 for a generation request to a model that only embeds (or only scores pairs)."""
     if engine.model_config.pooling.cross_encoder:
-        raise bad_request(f"the model '{model}' is a cross-encoder: it serves /v1/rerank and /v1/score, not "
-                          "generation", param="model", code="model_not_generative")  # fmt: skip
+        raise bad_request(
+            f"the model '{model}' is a cross-encoder: it serves /v1/rerank and /v1/score, not generation",
+            param="model",
+            code="model_not_generative",
+        )
     if engine.model_config.encoder:
-        raise bad_request(f"the model '{model}' is an embedding model: it serves /v1/embeddings, /v1/rerank "
-                          "and /v1/score, not generation", param="model", code="model_not_generative")  # fmt: skip
+        raise bad_request(
+            f"the model '{model}' is an embedding model: it serves /v1/embeddings, /v1/rerank "
+            "and /v1/score, not generation",
+            param="model",
+            code="model_not_generative",
+        )
 
 
 def start_generation(
-    state: ServerState, request: Request, engine: AsyncEngine, prefix: str, endpoint: str, prompts: list[list[int]],
-    params: SamplingParams, priority: int, stream: bool, pooling: PoolingParams | list[PoolingParams] | None = None,
-) -> Generation:  # fmt: skip
+    state: ServerState,
+    request: Request,
+    engine: AsyncEngine,
+    prefix: str,
+    endpoint: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int,
+    stream: bool,
+    pooling: PoolingParams | list[PoolingParams] | None = None,
+) -> Generation:
     """Admit the work (queue bounds, then the key's limits: 429s) and make its Generation;
     `endpoint` labels it in metrics, usage and the visualizer. `pooling`: embedding requests,
     admitted as `params` (one sequence of one token per prompt)."""
@@ -93,9 +108,21 @@ def start_generation(
     tenancy = state.tenancy
     tenancy.admit(key, request_id, prompts, params, engine.max_model_len)  # per-key limits: 429
     salt = tenancy.cache_salt(key, getattr(request.state, "cache_salt", None))
-    return Generation(state, request_id, endpoint, key, prompts, params, priority, stream, engine,
-                      request.state.served_model, cache_salt=salt, pooling=pooling,
-                      lora=getattr(request.state, "lora", None))  # fmt: skip
+    return Generation(
+        state,
+        request_id,
+        endpoint,
+        key,
+        prompts,
+        params,
+        priority,
+        stream,
+        engine,
+        request.state.served_model,
+        cache_salt=salt,
+        pooling=pooling,
+        lora=getattr(request.state, "lora", None),
+    )
 
 
 async def run_to_end(request: Request, gen: Generation, work: Awaitable[Any] | None = None) -> None:

@@ -60,8 +60,9 @@ def _from_response_format(req: ChatCompletionRequest | CompletionRequest) -> Str
         return StructuredOutputsParams(json_object=True, origin="response_format")
     spec = fmt.json_schema
     if spec is None or spec.json_schema is None:
-        raise StructuredOutputsError("response_format.json_schema",
-                                     "response_format of type json_schema needs json_schema.schema")  # fmt: skip
+        raise StructuredOutputsError(
+            "response_format.json_schema", "response_format of type json_schema needs json_schema.schema"
+        )
     return StructuredOutputsParams(json=spec.json_schema, origin="response_format.json_schema")
 
 
@@ -69,9 +70,10 @@ def _from_structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams:
     known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
     unknown = sorted(set(body) - known)
     if unknown:
-        raise StructuredOutputsError(f"structured_outputs.{unknown[0]}",
-                                     f"structured_outputs.{unknown[0]} is not supported (supported: "
-                                     f"{', '.join(sorted(known))})")  # fmt: skip
+        raise StructuredOutputsError(
+            f"structured_outputs.{unknown[0]}",
+            f"structured_outputs.{unknown[0]} is not supported (supported: {', '.join(sorted(known))})",
+        )
     return StructuredOutputsParams(**body, origin="structured_outputs")
 
 

@@ -76,8 +76,9 @@ class Tenancy:
 
     # -- admission ---------------------------------------------------------------------------------------
 
-    def admit(self, key: str, request_id: str, prompts: list[list[int]], params: SamplingParams,
-              max_model_len: int) -> None:  # fmt: skip
+    def admit(
+        self, key: str, request_id: str, prompts: list[list[int]], params: SamplingParams, max_model_len: int
+    ) -> None:
         """Take the request's worst-case tokens from the key's budget, or answer 429. The
         reservation is corrected when the request ends (ServerState.finish -> settle); one
         that never starts (its client left first) keeps it until it leaves the window."""
@@ -150,15 +151,31 @@ def log_tenancy(config: ServerConfig, logger: logging.Logger) -> None:
     """At startup: who may call the server, and the rules that keep its tenants apart."""
     users, admins = len(config.api_keys), len(config.admin_keys)
     if not users and not admins:
-        logger.warning("no API key configured: the server is open to anyone who can reach %s:%d "
-                       "(use --api-key, --api-key-file or FORNAX_API_KEY)", config.host, config.port)  # fmt: skip
+        logger.warning(
+            "no API key configured: the server is open to anyone who can reach %s:%d "
+            "(use --api-key, --api-key-file or FORNAX_API_KEY)",
+            config.host,
+            config.port,
+        )
     elif not admins:
-        logger.warning("no admin key configured: /admin/* answers 403 to every key "
-                       "(use --admin-key, --admin-key-file or FORNAX_ADMIN_KEY)")  # fmt: skip
-    limits = ", ".join(f"{name}: {lim.requests_per_minute or '-'} req/min, {lim.tokens_per_minute or '-'} tok/min"
-                       for name, lim in config.rate_limits) or "none"  # fmt: skip
-    logger.info("%d user key(s), %d admin key(s); prefix cache scope: %s; rate limits: %s",
-                users, admins, config.prefix_cache_scope, limits)  # fmt: skip
+        logger.warning(
+            "no admin key configured: /admin/* answers 403 to every key "
+            "(use --admin-key, --admin-key-file or FORNAX_ADMIN_KEY)"
+        )
+    limits = (
+        ", ".join(
+            f"{name}: {lim.requests_per_minute or '-'} req/min, {lim.tokens_per_minute or '-'} tok/min"
+            for name, lim in config.rate_limits
+        )
+        or "none"
+    )
+    logger.info(
+        "%d user key(s), %d admin key(s); prefix cache scope: %s; rate limits: %s",
+        users,
+        admins,
+        config.prefix_cache_scope,
+        limits,
+    )
 
 
 def _room(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -68,8 +68,12 @@ def _engine(model: ServedModel) -> AsyncEngine:
     """A loaded model's engine. The watching streams do not load a model, nor hold one loaded
     (an open page would pin it): the chat request the page sends does."""
     if model.engine is None:
-        raise ApiError(503, f"the model '{model.name}' is not loaded yet", code="service_unavailable",
-                       headers={"Retry-After": "1"})  # fmt: skip
+        raise ApiError(
+            503,
+            f"the model '{model.name}' is not loaded yet",
+            code="service_unavailable",
+            headers={"Retry-After": "1"},
+        )
     return model.engine
 
 
@@ -135,13 +139,15 @@ def _token_table(
     out = []
     for i, token_id in enumerate(ids):
         in_content = bool(offsets) and any(a <= offsets[i][0] and offsets[i][1] <= b for a, b in spans)
-        out.append({
-            "id": token_id,
-            "text": tok.decode([token_id], skip_special_tokens=False),
-            "bytes": tok.token_bytes(token_id).hex(),
-            "special": token_id in special,
-            "template": bool(offsets) and not in_content,
-        })  # fmt: skip
+        out.append(
+            {
+                "id": token_id,
+                "text": tok.decode([token_id], skip_special_tokens=False),
+                "bytes": tok.token_bytes(token_id).hex(),
+                "special": token_id in special,
+                "template": bool(offsets) and not in_content,
+            }
+        )
     return {"tokens": out, "ids": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
 
@@ -171,8 +177,9 @@ async def events(request: Request, request_id: str | None = None, model: str | N
     state, engine, viewer = _state(request), _engine(_model(request, model)), _viewer(request)
     if request_id is not None and not state.tenancy.may_see(viewer, request_id):
         # Not found, rather than forbidden: a user cannot tell others' ids from unknown ones.
-        raise ApiError(404, f"no request {request_id!r} of this key is known", param="request_id",
-                       code="not_found")  # fmt: skip
+        raise ApiError(
+            404, f"no request {request_id!r} of this key is known", param="request_id", code="not_found"
+        )
 
     async def stream() -> AsyncIterator[str]:
         # Subscribed here, not before the response: a generator that never starts would never
@@ -241,16 +248,32 @@ async def _snapshot(engine: AsyncEngine, stats: LiveStats) -> dict[str, Any]:
 def _queues(core: EngineCore) -> dict[str, Any]:
     """Read in the engine thread between steps, so the queues and the cache agree."""
     stats, sequences = core.stats(), core.sequences()
-    running = [{"request_id": s.request_id, "num_computed_tokens": s.num_computed_tokens,
-                "num_tokens": s.num_tokens, "num_prompt_tokens": s.num_prompt_tokens,
-                "num_blocks": s.num_blocks} for s in sequences if s.running]  # fmt: skip
-    waiting = [{"request_id": s.request_id, "num_prompt_tokens": s.num_prompt_tokens}
-               for s in sequences if not s.running]  # fmt: skip
+    running = [
+        {
+            "request_id": s.request_id,
+            "num_computed_tokens": s.num_computed_tokens,
+            "num_tokens": s.num_tokens,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_blocks": s.num_blocks,
+        }
+        for s in sequences
+        if s.running
+    ]
+    waiting = [
+        {"request_id": s.request_id, "num_prompt_tokens": s.num_prompt_tokens}
+        for s in sequences
+        if not s.running
+    ]
     return {
-        "num_running": stats.num_running, "num_waiting": stats.num_waiting, "running": running,
-        "waiting": waiting, "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_kv_blocks,
-        "num_free_blocks": stats.num_free_kv_blocks, "block_size": stats.block_size,
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "running": running,
+        "waiting": waiting,
+        "kv_cache_usage": stats.kv_cache_usage,
+        "num_blocks": stats.num_kv_blocks,
+        "num_free_blocks": stats.num_free_kv_blocks,
+        "block_size": stats.block_size,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "num_preemptions_total": stats.num_preemptions_total,
         "watchers": core.events.num_subscribers,
-    }  # fmt: skip
+    }

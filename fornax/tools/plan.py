@@ -39,9 +39,12 @@ class ToolPlan:
 
 
 def plan_tools(
-    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool, template: str | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    template: str | None,
     configured_parser: str | None = None,
-) -> ToolPlan:  # fmt: skip
+) -> ToolPlan:
     """Raises ToolsError (a ValueError naming the field) for tools or a tool_choice that is wrong."""
     check_tools(tools, tool_choice)
     supports = template_supports_tools(template or "")

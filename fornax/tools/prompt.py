@@ -181,11 +181,13 @@ def _normalized_calls(tool_calls: list[Any]) -> list[dict[str, Any]]:
     calls = []
     for call in tool_calls:
         fn = call.get("function") or {}
-        calls.append({
-            "id": call.get("id"),
-            "type": "function",
-            "function": {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments"))},
-        })  # fmt: skip
+        calls.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": fn.get("name"), "arguments": _arguments_object(fn.get("arguments"))},
+            }
+        )
     return calls
 
 

@@ -883,9 +883,16 @@ def _attn_x86(name: str) -> torch.Tensor | None:
     torch.set_num_threads(case.threads)
     try:
         return kernel(
-            inp.q, inp.pool, inp.block_tables, inp.row_seq, inp.row_pos, BLOCK, _attn_scale(), case.window,
+            inp.q,
+            inp.pool,
+            inp.block_tables,
+            inp.row_seq,
+            inp.row_pos,
+            BLOCK,
+            _attn_scale(),
+            case.window,
             case.part_keys,
-        )  # fmt: skip
+        )
     finally:
         torch.set_num_threads(before)
 

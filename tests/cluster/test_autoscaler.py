@@ -19,8 +19,14 @@ class Clock:
 
 def scaler(**policy: float) -> tuple[Autoscaler, Clock]:
     clock = Clock()
-    base = {"min_replicas": 1, "max_replicas": 3, "target_waiting": 2.0, "scale_down_waiting": 0.0,
-            "scale_up_delay_s": 5.0, "scale_down_cooldown_s": 30.0}  # fmt: skip
+    base = {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "target_waiting": 2.0,
+        "scale_down_waiting": 0.0,
+        "scale_up_delay_s": 5.0,
+        "scale_down_cooldown_s": 30.0,
+    }
     return Autoscaler(ScalingPolicy(**(base | policy)), clock), clock
 
 

@@ -40,8 +40,9 @@ def _gone(pid: int) -> bool:
 
 def test_the_server_drains_and_exits_when_its_actor_is_killed(tmp_path: Path) -> None:
     marker = tmp_path / "drained"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, GRANDCHILD, str(marker)], stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, GRANDCHILD, str(marker)], stdout=subprocess.PIPE, text=True
+    )
     assert parent.stdout is not None
     grandchild = int(parent.stdout.readline())
     try:

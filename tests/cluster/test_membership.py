@@ -52,10 +52,12 @@ def test_parse_load_sums_the_engine_gauges() -> None:
 
 
 def test_fornax_and_the_cluster_cli_import_without_ray() -> None:
-    code = ("import sys; sys.modules['ray'] = None\n"  # importing ray now fails, as if absent
-            "import fornax, fornax.cli, fornax.cluster, fornax.cluster.cli, fornax.cluster.controller\n"
-            "from fornax.cli import build_parser; build_parser()\n"
-            "from fornax.cli import main; sys.exit(main(['cluster', 'up', '--replicas', '2']))")  # fmt: skip
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # importing ray now fails, as if absent
+        "import fornax, fornax.cli, fornax.cluster, fornax.cluster.cli, fornax.cluster.controller\n"
+        "from fornax.cli import build_parser; build_parser()\n"
+        "from fornax.cli import main; sys.exit(main(['cluster', 'up', '--replicas', '2']))"
+    )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert (
@@ -69,9 +71,27 @@ def test_serve_flags_pass_through_to_each_replica() -> None:
     from fornax.cluster.cli import cluster_config
 
     args = build_parser().parse_args(
-        ["cluster", "up", "m", "--replicas", "2", "--max-replicas", "4", "--threads-per-replica", "2",
-         "--max-model-len", "256", "--quantization", "auto", "--no-access-log", "--shutdown-timeout", "7",
-         "--port", "9100"])  # fmt: skip
+        [
+            "cluster",
+            "up",
+            "m",
+            "--replicas",
+            "2",
+            "--max-replicas",
+            "4",
+            "--threads-per-replica",
+            "2",
+            "--max-model-len",
+            "256",
+            "--quantization",
+            "auto",
+            "--no-access-log",
+            "--shutdown-timeout",
+            "7",
+            "--port",
+            "9100",
+        ]
+    )
     config = cluster_config(args)
     assert config.replica.serve_args == ("--quantization=auto", "--max-model-len=256", "--no-access-log")
     assert (config.replica.model, config.replica.num_threads, config.replica.shutdown_timeout_s) == (

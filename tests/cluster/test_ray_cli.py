@@ -40,9 +40,27 @@ def test_cluster_up_serves_with_keys_and_drains_on_sigterm(tmp_path: Path) -> No
     port, log_path = free_port("127.0.0.1"), tmp_path / "cluster.log"
     before = set(_leftovers(port))
     env = {**os.environ, "FORNAX_HOME": os.environ.get("FORNAX_HOME", "/tmp/fhome")}
-    cmd = [sys.executable, "-m", "fornax.cli", "cluster", "up", MODEL, "--replicas", "1", "--threads-per-replica", "1",
-           "--port", str(port), "--max-model-len", "256", "--api-key", f"tester:{KEY}", "--no-access-log",
-           "--shutdown-timeout", "20"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fornax.cli",
+        "cluster",
+        "up",
+        MODEL,
+        "--replicas",
+        "1",
+        "--threads-per-replica",
+        "1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--api-key",
+        f"tester:{KEY}",
+        "--no-access-log",
+        "--shutdown-timeout",
+        "20",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -60,8 +78,11 @@ def test_cluster_up_serves_with_keys_and_drains_on_sigterm(tmp_path: Path) -> No
         models = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()["data"]
         assert [m["id"] for m in models] == [MODEL]  # polled from the keyed replica with the poll key
         results: list[int] = []
-        slow = threading.Thread(target=lambda: results.append(
-            httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120).status_code))  # fmt: skip
+        slow = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120).status_code
+            )
+        )
         slow.start()
         time.sleep(1.0)  # in flight on the replica
         proc.send_signal(signal.SIGTERM)

@@ -56,13 +56,30 @@ def ray_runtime() -> Iterator[None]:
 def make_cluster(ray_runtime: None) -> Iterator[Callable[..., ClusterController]]:
     made: list[ClusterController] = []
 
-    def make(replicas: int, low: int, high: int, serve_args: tuple[str, ...] = (), policy: str = "cache-aware",
-             **scaling: float) -> ClusterController:  # fmt: skip
-        spec = ReplicaSpec(model=MODEL, serve_args=("--max-model-len", "256", "--no-access-log", *serve_args),
-                           num_threads=1, shutdown_timeout_s=20.0, ready_timeout_s=120.0)  # fmt: skip
-        config = ClusterConfig(replica=spec, scaling=ScalingPolicy(min_replicas=low, max_replicas=high, **scaling),
-                               replicas=replicas, router_port=free_port("127.0.0.1"), max_restarts=2, policy=policy,
-                               router_args=("--no-access-log",))  # fmt: skip
+    def make(
+        replicas: int,
+        low: int,
+        high: int,
+        serve_args: tuple[str, ...] = (),
+        policy: str = "cache-aware",
+        **scaling: float,
+    ) -> ClusterController:
+        spec = ReplicaSpec(
+            model=MODEL,
+            serve_args=("--max-model-len", "256", "--no-access-log", *serve_args),
+            num_threads=1,
+            shutdown_timeout_s=20.0,
+            ready_timeout_s=120.0,
+        )
+        config = ClusterConfig(
+            replica=spec,
+            scaling=ScalingPolicy(min_replicas=low, max_replicas=high, **scaling),
+            replicas=replicas,
+            router_port=free_port("127.0.0.1"),
+            max_restarts=2,
+            policy=policy,
+            router_args=("--no-access-log",),
+        )
         controller = ClusterController(config)
         made.append(controller)
         controller.start()
@@ -77,12 +94,19 @@ def make_cluster(ray_runtime: None) -> Iterator[Callable[..., ClusterController]
 
 
 def complete(base_url: str, prompt: str = "Hello", max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(base_url + "/v1/completions", timeout=120,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+    return httpx.post(
+        base_url + "/v1/completions",
+        timeout=120,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float, tick: Callable[[], None] | None = None,
-               on_fail: Callable[[], object] = lambda: "") -> None:  # fmt: skip
+def wait_until(
+    check: Callable[[], bool],
+    timeout_s: float,
+    tick: Callable[[], None] | None = None,
+    on_fail: Callable[[], object] = lambda: "",
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if tick is not None:
@@ -180,8 +204,16 @@ def test_autoscale_up_under_load_and_down_when_idle_without_failures(make_cluste
     # --max-num-seqs 1: one sequence runs, the rest wait, so a few clients make a queue.
     # least-load: cache-aware would keep these similar prompts on the replica that has their
     # prefix until the imbalance passes its threshold (32 requests), which 4 clients never reach.
-    controller = make_cluster(replicas=1, low=1, high=2, serve_args=("--max-num-seqs", "1"), policy="least-load",
-                              target_waiting=1.0, scale_up_delay_s=1.0, scale_down_cooldown_s=3.0)  # fmt: skip
+    controller = make_cluster(
+        replicas=1,
+        low=1,
+        high=2,
+        serve_args=("--max-num-seqs", "1"),
+        policy="least-load",
+        target_waiting=1.0,
+        scale_up_delay_s=1.0,
+        scale_down_cooldown_s=3.0,
+    )
     stop = threading.Event()
     loop = threading.Thread(target=controller.run, args=(stop,), daemon=True)
     loop.start()

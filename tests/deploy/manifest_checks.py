@@ -25,9 +25,18 @@ K8S_VERSIONS = ("1.31", kubernetes_validate.latest_version())
 # Kinds outside the core API: no bundled schema, checked structurally below.
 NON_CORE_KINDS = {"ScaledObject", "Kustomization"}
 AUTOSCALER_FILES = ("keda-scaledobject.yaml", "hpa.yaml")
-KEDA_SPEC_FIELDS = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
-                    "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced",
-                    "triggers"}  # fmt: skip
+KEDA_SPEC_FIELDS = {
+    "scaleTargetRef",
+    "pollingInterval",
+    "cooldownPeriod",
+    "initialCooldownPeriod",
+    "idleReplicaCount",
+    "minReplicaCount",
+    "maxReplicaCount",
+    "fallback",
+    "advanced",
+    "triggers",
+}
 METRIC_NAME = re.compile(r"\bfornax:[a-zA-Z_][a-zA-Z0-9_]*")
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -222,8 +231,11 @@ def selector_problems(m: Manifests) -> list[str]:
         name = f"{obj['kind']} {obj['metadata']['name']}"
         selector = obj["spec"].get("selector") or {}
         selector = selector.get("matchLabels", selector) if obj["kind"] == "PodDisruptionBudget" else selector
-        hits = [d for d in deployments
-                if selector and selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        hits = [
+            d
+            for d in deployments
+            if selector and selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
         if len(hits) != 1:
             problems.append(f"{name}: selector {selector} matches {len(hits)} Deployments")
             continue
@@ -360,8 +372,9 @@ def model_problems(m: Manifests) -> list[str]:
     if home is None or env_value(pull, "FORNAX_HOME") != home:
         problems.append(f"FORNAX_HOME differs: pull {env_value(pull, 'FORNAX_HOME')}, serve {home}")
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    pull_vols, serve_vols = ({mt["name"] for mt in c.get("volumeMounts", []) if mt["mountPath"] == home}
-                             for c in (pull, server))  # fmt: skip
+    pull_vols, serve_vols = (
+        {mt["name"] for mt in c.get("volumeMounts", []) if mt["mountPath"] == home} for c in (pull, server)
+    )
     shared = pull_vols & serve_vols
     if not shared:
         problems.append(f"pull and serve do not mount one volume at FORNAX_HOME ({home})")
@@ -394,10 +407,17 @@ def secret_problems(m: Manifests) -> list[str]:
 
 
 def secret_refs(m: Manifests) -> set[tuple[str, str]]:
-    containers = [c for dep in objects(m, "Deployment")
-                  for c in pod_spec(dep).get("initContainers", []) + pod_spec(dep)["containers"]]  # fmt: skip
-    refs = [v["valueFrom"]["secretKeyRef"] for c in containers for v in c.get("env", [])
-            if "secretKeyRef" in v.get("valueFrom", {})]  # fmt: skip
+    containers = [
+        c
+        for dep in objects(m, "Deployment")
+        for c in pod_spec(dep).get("initContainers", []) + pod_spec(dep)["containers"]
+    ]
+    refs = [
+        v["valueFrom"]["secretKeyRef"]
+        for c in containers
+        for v in c.get("env", [])
+        if "secretKeyRef" in v.get("valueFrom", {})
+    ]
     return {(ref["name"], ref["key"]) for ref in refs}
 
 
@@ -478,9 +498,16 @@ def keda_problems(m: Manifests, exported: dict[str, str]) -> list[str]:
     grace = pod_spec(replicas).get("terminationGracePeriodSeconds", 30)
     problems += drain_friendly_problems("ScaledObject", behavior, grace)
     # The behavior block is the HPA's own type: validate it with the HPA schema.
-    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
-           "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": 2,
-                    "behavior": behavior}}  # fmt: skip
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "x"},
+        "spec": {
+            "scaleTargetRef": {"kind": "Deployment", "name": "x"},
+            "maxReplicas": 2,
+            "behavior": behavior,
+        },
+    }
     try:
         kubernetes_validate.validate(hpa, K8S_VERSIONS[0], strict=True)
     except kubernetes_validate.ValidationError as exc:
@@ -526,8 +553,9 @@ def kustomization_problems(m: Manifests) -> list[str]:
     listed or an autoscaler named in the file, and the namespace is the objects' own."""
     kust, problems = kustomization(m), []
     resources = kust.get("resources", [])
-    problems += [f"kustomization lists {r}, which does not exist" for r in resources
-                 if not (KDIR / r).is_file()]  # fmt: skip
+    problems += [
+        f"kustomization lists {r}, which does not exist" for r in resources if not (KDIR / r).is_file()
+    ]
     if all(f in resources for f in AUTOSCALER_FILES):
         problems.append("kustomization turns on both autoscalers: they would fight over the replica count")
     text = (KDIR / "kustomization.yaml").read_text()

@@ -62,7 +62,7 @@ from tests.deploy.manifest_checks import (
     secret_refs,
     selector_problems,
     set_flag,
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -266,90 +266,197 @@ def _on(check: Callable[[Manifests], list[str]]) -> Check:
 DNS = "--replica-dns"
 # (what is broken, how, the check that must notice it)
 FAULTS: list[tuple[str, Fault, Check]] = [
-    ("misspelt field", lambda m: put(_serve(m), "readinessprobe", {}),
-     lambda m, e: schema_problems(m, K8S_VERSIONS[0])),
-    ("port as a string", lambda m: put(_route(m)["ports"][0], "containerPort", "8080"),
-     lambda m, e: schema_problems(m, K8S_VERSIONS[-1])),
+    (
+        "misspelt field",
+        lambda m: put(_serve(m), "readinessprobe", {}),
+        lambda m, e: schema_problems(m, K8S_VERSIONS[0]),
+    ),
+    (
+        "port as a string",
+        lambda m: put(_route(m)["ports"][0], "containerPort", "8080"),
+        lambda m, e: schema_problems(m, K8S_VERSIONS[-1]),
+    ),
     ("router without readiness", lambda m: _route(m).pop("readinessProbe"), _on(probe_problems)),
     ("replicas without startup", lambda m: _serve(m).pop("startupProbe"), _on(probe_problems)),
-    ("liveness on another path", lambda m: put(_serve(m)["livenessProbe"]["httpGet"], "path", "/healthz"),
-     _on(probe_problems)),
-    ("probe on an undeclared port", lambda m: put(_route(m)["livenessProbe"]["httpGet"], "port", "web"),
-     _on(probe_problems)),
-    ("short startup window", lambda m: put(_serve(m)["startupProbe"], "failureThreshold", 6), _on(probe_problems)),
-    ("slow readiness", lambda m: put(_serve(m)["readinessProbe"], "failureThreshold", 10), _on(probe_problems)),
-    ("service selects nothing",
-     lambda m: put(_headless(m)["spec"]["selector"], "app.kubernetes.io/component", "server"),
-     _on(selector_problems)),
-    ("service targets a missing port",
-     lambda m: put(by_name(m, "Service", "fornax")["spec"]["ports"][0], "targetPort", 8000), _on(selector_problems)),
-    ("deployment selector off its template",
-     lambda m: put(_router(m)["spec"]["selector"]["matchLabels"], "tier", "x"), _on(selector_problems)),
-    ("headless service given a cluster IP", lambda m: _headless(m)["spec"].pop("clusterIP"),
-     _on(replica_dns_problems)),
-    ("headless service renamed", lambda m: put(_headless(m)["metadata"], "name", "fornax-pool"),
-     _on(replica_dns_problems)),
-    ("router dns in another namespace",
-     lambda m: set_flag(_route(m)["args"], DNS, "fornax-replicas.default.svc.cluster.local:8000"),
-     _on(replica_dns_problems)),
-    ("router dns on another port",
-     lambda m: set_flag(_route(m)["args"], DNS, "fornax-replicas.fornax.svc.cluster.local:80"),
-     _on(replica_dns_problems)),
-    ("--port off the container port", lambda m: set_flag(_serve(m)["args"], "--port", "9000"),
-     _on(port_flag_problems)),
-    ("scrape annotation on another port",
-     lambda m: put(_router(m)["spec"]["template"]["metadata"]["annotations"], "prometheus.io/port", "9090"),
-     _on(port_flag_problems)),
+    (
+        "liveness on another path",
+        lambda m: put(_serve(m)["livenessProbe"]["httpGet"], "path", "/healthz"),
+        _on(probe_problems),
+    ),
+    (
+        "probe on an undeclared port",
+        lambda m: put(_route(m)["livenessProbe"]["httpGet"], "port", "web"),
+        _on(probe_problems),
+    ),
+    (
+        "short startup window",
+        lambda m: put(_serve(m)["startupProbe"], "failureThreshold", 6),
+        _on(probe_problems),
+    ),
+    (
+        "slow readiness",
+        lambda m: put(_serve(m)["readinessProbe"], "failureThreshold", 10),
+        _on(probe_problems),
+    ),
+    (
+        "service selects nothing",
+        lambda m: put(_headless(m)["spec"]["selector"], "app.kubernetes.io/component", "server"),
+        _on(selector_problems),
+    ),
+    (
+        "service targets a missing port",
+        lambda m: put(by_name(m, "Service", "fornax")["spec"]["ports"][0], "targetPort", 8000),
+        _on(selector_problems),
+    ),
+    (
+        "deployment selector off its template",
+        lambda m: put(_router(m)["spec"]["selector"]["matchLabels"], "tier", "x"),
+        _on(selector_problems),
+    ),
+    (
+        "headless service given a cluster IP",
+        lambda m: _headless(m)["spec"].pop("clusterIP"),
+        _on(replica_dns_problems),
+    ),
+    (
+        "headless service renamed",
+        lambda m: put(_headless(m)["metadata"], "name", "fornax-pool"),
+        _on(replica_dns_problems),
+    ),
+    (
+        "router dns in another namespace",
+        lambda m: set_flag(_route(m)["args"], DNS, "fornax-replicas.default.svc.cluster.local:8000"),
+        _on(replica_dns_problems),
+    ),
+    (
+        "router dns on another port",
+        lambda m: set_flag(_route(m)["args"], DNS, "fornax-replicas.fornax.svc.cluster.local:80"),
+        _on(replica_dns_problems),
+    ),
+    (
+        "--port off the container port",
+        lambda m: set_flag(_serve(m)["args"], "--port", "9000"),
+        _on(port_flag_problems),
+    ),
+    (
+        "scrape annotation on another port",
+        lambda m: put(
+            _router(m)["spec"]["template"]["metadata"]["annotations"], "prometheus.io/port", "9090"
+        ),
+        _on(port_flag_problems),
+    ),
     ("metrics behind a key", lambda m: _serve(m)["args"].remove("--public-metrics"), _on(scrape_problems)),
-    ("router metrics behind a key", lambda m: _route(m)["args"].remove("--public-metrics"), _on(scrape_problems)),
-    ("router liveness on its replica-dependent /health",
-     lambda m: put(_route(m)["livenessProbe"]["httpGet"], "path", "/health"), _on(probe_problems)),
-    ("grace shorter than the drain", lambda m: put(pod_spec(_replicas(m)), "terminationGracePeriodSeconds", 35),
-     _on(grace_problems)),
-    ("drain longer than the grace", lambda m: set_flag(_serve(m)["args"], "--shutdown-timeout", "120"),
-     _on(grace_problems)),
-    ("threads off the CPU limit", lambda m: set_flag(_serve(m)["args"], "--num-threads", "8"),
-     _on(resource_problems)),
+    (
+        "router metrics behind a key",
+        lambda m: _route(m)["args"].remove("--public-metrics"),
+        _on(scrape_problems),
+    ),
+    (
+        "router liveness on its replica-dependent /health",
+        lambda m: put(_route(m)["livenessProbe"]["httpGet"], "path", "/health"),
+        _on(probe_problems),
+    ),
+    (
+        "grace shorter than the drain",
+        lambda m: put(pod_spec(_replicas(m)), "terminationGracePeriodSeconds", 35),
+        _on(grace_problems),
+    ),
+    (
+        "drain longer than the grace",
+        lambda m: set_flag(_serve(m)["args"], "--shutdown-timeout", "120"),
+        _on(grace_problems),
+    ),
+    (
+        "threads off the CPU limit",
+        lambda m: set_flag(_serve(m)["args"], "--num-threads", "8"),
+        _on(resource_problems),
+    ),
     # A literal thread count left behind when the CPU limit changes. (Changing the limit alone
     # is fine: test_cpu_limit_alone_moves_the_threads.)
-    ("literal threads, limit changed",
-     lambda m: (set_flag(_serve(m)["args"], "--num-threads", "4"), put(_serve(m)["resources"]["limits"], "cpu", "2")),
-     _on(resource_problems)),
+    (
+        "literal threads, limit changed",
+        lambda m: (
+            set_flag(_serve(m)["args"], "--num-threads", "4"),
+            put(_serve(m)["resources"]["limits"], "cpu", "2"),
+        ),
+        _on(resource_problems),
+    ),
     ("no memory limit", lambda m: _route(m)["resources"]["limits"].pop("memory"), _on(resource_problems)),
-    ("init pulls another model",
-     lambda m: put(pod_spec(_replicas(m))["initContainers"][0]["args"], 1, "other-model"), _on(model_problems)),
-    ("init writes elsewhere",
-     lambda m: put(pod_spec(_replicas(m))["initContainers"][0]["env"][0], "value", "/tmp/fornax"),
-     _on(model_problems)),
-    ("api key as a literal",
-     lambda m: put(_serve(m), "env", [v if v["name"] != "FORNAX_API_KEY" else {"name": v["name"], "value": "sk-1"}
-                                      for v in _serve(m)["env"]]),
-     _on(secret_problems)),
-    ("argument refers to an undefined variable",
-     lambda m: set_flag(_route(m)["args"], "--replica-api-key", "$(REPLICA_KEY)"),
-     _on(secret_problems)),
+    (
+        "init pulls another model",
+        lambda m: put(pod_spec(_replicas(m))["initContainers"][0]["args"], 1, "other-model"),
+        _on(model_problems),
+    ),
+    (
+        "init writes elsewhere",
+        lambda m: put(pod_spec(_replicas(m))["initContainers"][0]["env"][0], "value", "/tmp/fornax"),
+        _on(model_problems),
+    ),
+    (
+        "api key as a literal",
+        lambda m: put(
+            _serve(m),
+            "env",
+            [
+                v if v["name"] != "FORNAX_API_KEY" else {"name": v["name"], "value": "sk-1"}
+                for v in _serve(m)["env"]
+            ],
+        ),
+        _on(secret_problems),
+    ),
+    (
+        "argument refers to an undefined variable",
+        lambda m: set_flag(_route(m)["args"], "--replica-api-key", "$(REPLICA_KEY)"),
+        _on(secret_problems),
+    ),
     ("unknown serve flag", lambda m: _serve(m)["args"].append("--threads=4"), _on(cli_problems)),
     ("bad flag value", lambda m: set_flag(_serve(m)["args"], "--quantization", "fp8"), _on(cli_problems)),
-    ("keda scales something else", lambda m: put(_keda(m)["scaleTargetRef"], "name", "fornax-router"), keda_problems),
+    (
+        "keda scales something else",
+        lambda m: put(_keda(m)["scaleTargetRef"], "name", "fornax-router"),
+        keda_problems,
+    ),
     ("keda queries a metric fornax does not export", _query("sum(vllm:num_requests_waiting)"), keda_problems),
     ("keda sums a counter", _query("sum(fornax:num_preemptions_total)"), keda_problems),
-    ("keda filters on another model", _query('sum(fornax:num_requests_waiting{model_name="llama"})'), keda_problems),
-    ("keda drops replicas in a hurry",
-     lambda m: put(_keda_down(m)["scaleDown"], "stabilizationWindowSeconds", 30), keda_problems),
+    (
+        "keda filters on another model",
+        _query('sum(fornax:num_requests_waiting{model_name="llama"})'),
+        keda_problems,
+    ),
+    (
+        "keda drops replicas in a hurry",
+        lambda m: put(_keda_down(m)["scaleDown"], "stabilizationWindowSeconds", 30),
+        keda_problems,
+    ),
     ("keda behavior misspelt", lambda m: put(_keda_down(m), "scaledown", {}), keda_problems),
     ("keda spec field misspelt", lambda m: put(_keda(m), "maxReplicas", 4), keda_problems),
     ("hpa scales something else", lambda m: put(_hpa(m)["scaleTargetRef"], "name", "fornax"), hpa_problems),
-    ("hpa on an unexported metric",
-     lambda m: put(_hpa(m)["metrics"][0]["pods"]["metric"], "name", "fornax_queue_length"), hpa_problems),
-    ("hpa removes three at once", lambda m: put(_hpa(m)["behavior"]["scaleDown"]["policies"][0], "value", 3),
-     hpa_problems),
-    ("kustomization lists a missing file", lambda m: kustomization(m)["resources"].append("service-monitor.yaml"),
-     _on(kustomization_problems)),
-    ("both autoscalers on", lambda m: kustomization(m)["resources"].extend(AUTOSCALER_FILES),
-     _on(kustomization_problems)),
-    ("object in another namespace", lambda m: put(_router(m)["metadata"], "namespace", "default"),
-     _on(kustomization_problems)),
-]  # fmt: skip
+    (
+        "hpa on an unexported metric",
+        lambda m: put(_hpa(m)["metrics"][0]["pods"]["metric"], "name", "fornax_queue_length"),
+        hpa_problems,
+    ),
+    (
+        "hpa removes three at once",
+        lambda m: put(_hpa(m)["behavior"]["scaleDown"]["policies"][0], "value", 3),
+        hpa_problems,
+    ),
+    (
+        "kustomization lists a missing file",
+        lambda m: kustomization(m)["resources"].append("service-monitor.yaml"),
+        _on(kustomization_problems),
+    ),
+    (
+        "both autoscalers on",
+        lambda m: kustomization(m)["resources"].extend(AUTOSCALER_FILES),
+        _on(kustomization_problems),
+    ),
+    (
+        "object in another namespace",
+        lambda m: put(_router(m)["metadata"], "namespace", "default"),
+        _on(kustomization_problems),
+    ),
+]
 
 
 @pytest.mark.parametrize(("fault", "check"), [(f, c) for _, f, c in FAULTS], ids=[n for n, _, _ in FAULTS])

@@ -50,15 +50,21 @@ def _assert_drained(llm: LLM) -> None:
 @pytest.fixture(scope="module")
 def llm(default_gguf):
     """fp32, no prefix caching: 'alone' runs must not reuse blocks the batched run computed."""
-    return LLM(str(default_gguf), dtype="float32", enable_prefix_caching=False, kv_cache_memory="256MiB",
-               progress=False)  # fmt: skip
+    return LLM(
+        str(default_gguf),
+        dtype="float32",
+        enable_prefix_caching=False,
+        kv_cache_memory="256MiB",
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
 def small_llm(default_gguf):
     """A KV cache far too small for its batch: 24 blocks of 16 tokens for 8 sequences."""
-    return LLM(str(default_gguf), dtype="float32", num_blocks=24, block_size=16, max_num_seqs=8,
-               progress=False)  # fmt: skip
+    return LLM(
+        str(default_gguf), dtype="float32", num_blocks=24, block_size=16, max_num_seqs=8, progress=False
+    )
 
 
 @pytest.mark.slow
@@ -203,8 +209,10 @@ def test_tiny_model_batched_equals_alone_and_transformers(tiny):
     with torch.inference_mode():
         for prompt, out in zip(prompts, together):
             ref = hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=24, do_sample=False,
-            )[0, len(prompt):].tolist()  # fmt: skip
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
             assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens"
     _assert_drained(llm)

@@ -16,8 +16,15 @@ def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-llama-events")
     build_tiny_model("llama", out)
     # Chunked prefill (16 tokens a step) and prefix caching, so every event type shows up.
-    return LLM(str(out), dtype="float32", enable_prefix_caching=True, num_blocks=64, block_size=16,
-               max_num_batched_tokens=16, progress=False)  # fmt: skip
+    return LLM(
+        str(out),
+        dtype="float32",
+        enable_prefix_caching=True,
+        num_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=16,
+        progress=False,
+    )
 
 
 def _drain(loop: asyncio.AbstractEventLoop, sub) -> list[Event]:

@@ -19,8 +19,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(default_gguf):
-    return LLM(str(default_gguf), dtype="float32", enable_prefix_caching=False, kv_cache_memory="128MiB",
-               progress=False)  # fmt: skip
+    return LLM(
+        str(default_gguf),
+        dtype="float32",
+        enable_prefix_caching=False,
+        kv_cache_memory="128MiB",
+        progress=False,
+    )
 
 
 def _prompts(llm: LLM) -> list[list[int]]:

@@ -17,8 +17,9 @@ BLOCK = 16
 
 
 def _llm(gguf, **kwargs) -> LLM:
-    return LLM(str(gguf), dtype="float32", block_size=BLOCK, kv_cache_memory="256MiB", progress=False,
-               **kwargs)  # fmt: skip
+    return LLM(
+        str(gguf), dtype="float32", block_size=BLOCK, kv_cache_memory="256MiB", progress=False, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")

@@ -99,11 +99,14 @@ def test_json_schema_choice_and_json_object(llm):
         assert set(value) == {"kind", "ok", "count"} and value["kind"] in {"cat", "dog", "bird"}
         assert 0 <= value["count"] <= 99
     choices = ["alpha", "beta gamma", 'say "hi"']
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.8, seed=3,
-                                                structured_outputs={"choice": choices}))  # fmt: skip
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, structured_outputs={"choice": choices}),
+    )
     assert all(r.outputs[0].text in choices for r in outs)
-    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=200, temperature=0.0,
-                                                    structured_outputs={"json_object": True}))  # fmt: skip
+    outs = llm.generate(
+        prompts[:2], SamplingParams(max_tokens=200, temperature=0.0, structured_outputs={"json_object": True})
+    )
     for r in outs:
         if r.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(r.outputs[0].text), dict)
@@ -140,8 +143,13 @@ def test_preemption_keeps_the_grammar_state(model_dir, llm):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_matches_plain_constrained_output(model_dir, llm, method, tmp_path):
-    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 0, "row_cost": 0.0,
-            "draft_cost": 0.0}  # fmt: skip
+    spec = {
+        "method": method,
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 0,
+        "row_cost": 0.0,
+        "draft_cost": 0.0,
+    }
     if method == "draft":
         build_tiny_model("llama", tmp_path, seed=0)  # same weights: most drafts are right
         spec["model"] = str(tmp_path)
@@ -196,8 +204,10 @@ def test_masks_filled_beside_the_forward_or_after_it_give_the_same_outputs(model
         llm = _llm(model_dir)
         llm.engine.runner.masks.overlap = overlap
         prompts = _prompts(llm)
-        params = [_regex_params(), SamplingParams(max_tokens=40, temperature=0.7, seed=1,
-                                                  structured_outputs={"json": SCHEMA})]  # fmt: skip
+        params = [
+            _regex_params(),
+            SamplingParams(max_tokens=40, temperature=0.7, seed=1, structured_outputs={"json": SCHEMA}),
+        ]
         outs = llm.generate(prompts * 2, params * len(prompts))
         results.append([o.outputs[0].token_ids for o in outs])
         assert llm.engine.runner.masks.num_steps > 0

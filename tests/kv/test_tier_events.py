@@ -58,8 +58,10 @@ def test_int8_tier_form_serves_hits_and_swaps(tiny_dir):
     assert out.num_cached_tokens == 48 and stats.hit_tokens_host >= 32  # the rest: primary hits
     assert llm.engine.scheduler.connector.layout.quantized
     # Preemption under pressure swaps int8 rows out and back; every request still finishes.
-    many = llm.generate([list(range(20 + 7 * i, 40 + 7 * i)) for i in range(5)],
-                        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))  # fmt: skip
+    many = llm.generate(
+        [list(range(20 + 7 * i, 40 + 7 * i)) for i in range(5)],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    )
     assert all(len(o.outputs[0].token_ids) == 24 for o in many)
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert llm.engine.scheduler.connector.stats().swapped_in > 0

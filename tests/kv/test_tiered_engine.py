@@ -25,8 +25,10 @@ def _llm(gguf, **kwargs) -> LLM:
 def _prompts(tok) -> tuple[list[list[int]], list[int]]:
     """Three questions about one document, and an unrelated text that evicts it."""
     doc = "Read this and answer.\n" + words(280, start=3)
-    questions = [tok.encode(doc + f"\nQuestion {i}: {q}") for i, q in
-                 enumerate(["who bakes bread?", "what do bees do?", "why carry a map?"])]  # fmt: skip
+    questions = [
+        tok.encode(doc + f"\nQuestion {i}: {q}")
+        for i, q in enumerate(["who bakes bread?", "what do bees do?", "why carry a map?"])
+    ]
     filler = tok.encode("Unrelated notes.\n" + words(450, start=120))
     return questions, filler
 

@@ -134,9 +134,16 @@ def test_paged_attention_with_fixed_parts(dtype: torch.dtype) -> None:
 
     def attend(rows: slice, part_keys: int) -> torch.Tensor:
         return kernel(
-            q[rows].contiguous(), cache, block_tables, row_seq[rows].contiguous(), row_pos[rows].contiguous(),
-            block, scale, None, part_keys,
-        )  # fmt: skip
+            q[rows].contiguous(),
+            cache,
+            block_tables,
+            row_seq[rows].contiguous(),
+            row_pos[rows].contiguous(),
+            block,
+            scale,
+            None,
+            part_keys,
+        )
 
     whole = attend(slice(None), DETERMINISTIC_PART_KEYS)
     threads = torch.get_num_threads()

@@ -18,10 +18,14 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
-                       "required": ["city"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +49,19 @@ def test_forced_and_named_calls_offline(llm):
 def test_follow_up_turn_with_the_tool_result(llm):
     messages = [
         {"role": "user", "content": "What is the weather in Madrid?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Madrid"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Madrid"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 30, "sky": "sunny"}'},
-    ]  # fmt: skip
+    ]
     (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40), tools=[WEATHER])
     completion = out.outputs[0]
     assert completion.text and completion.tool_calls is None and completion.content == completion.text

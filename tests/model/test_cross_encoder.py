@@ -117,9 +117,13 @@ def test_score_on_an_embedding_model_is_the_cosine(tmp_path: Path) -> None:
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=200,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
         max_position_embeddings=128,
-    )  # fmt: skip
+    )
     torch.manual_seed(1)
     transformers.BertModel(config, add_pooling_layer=False).eval().save_pretrained(str(tmp_path))
     make_wordpiece_files(tmp_path)

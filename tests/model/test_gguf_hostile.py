@@ -44,14 +44,19 @@ _METADATA: dict[str, tuple[Any, V]] = {
     "tokenizer.ggml.tokens": ([f"t{i}" for i in range(VOCAB)], V.ARRAY),
 }
 _TENSORS: dict[str, tuple[int, ...]] = {  # numpy (row-major) shapes
-    "token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,), "output.weight": (VOCAB, HIDDEN),
-    "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
-    "blk.0.attn_q.weight": (HEADS * HEAD_DIM, HIDDEN), "blk.0.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "token_embd.weight": (VOCAB, HIDDEN),
+    "output_norm.weight": (HIDDEN,),
+    "output.weight": (VOCAB, HIDDEN),
+    "blk.0.attn_norm.weight": (HIDDEN,),
+    "blk.0.ffn_norm.weight": (HIDDEN,),
+    "blk.0.attn_q.weight": (HEADS * HEAD_DIM, HIDDEN),
+    "blk.0.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
     "blk.0.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
     "blk.0.attn_output.weight": (HIDDEN, HEADS * HEAD_DIM),
-    "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
+    "blk.0.ffn_gate.weight": (FFN, HIDDEN),
+    "blk.0.ffn_up.weight": (FFN, HIDDEN),
     "blk.0.ffn_down.weight": (HIDDEN, FFN),  # written as Q8_0 (rows of 32), the rest F32
-}  # fmt: skip
+}
 
 
 def write_tiny_gguf(path: Path, overrides: dict[str, tuple[Any, V]] | None = None) -> Path:
@@ -85,9 +90,18 @@ class Field:
 
 
 _SCALAR_SIZES = {
-    V.UINT8: 1, V.INT8: 1, V.BOOL: 1, V.UINT16: 2, V.INT16: 2, V.UINT32: 4, V.INT32: 4, V.FLOAT32: 4,
-    V.UINT64: 8, V.INT64: 8, V.FLOAT64: 8,
-}  # fmt: skip
+    V.UINT8: 1,
+    V.INT8: 1,
+    V.BOOL: 1,
+    V.UINT16: 2,
+    V.INT16: 2,
+    V.UINT32: 4,
+    V.INT32: 4,
+    V.FLOAT32: 4,
+    V.UINT64: 8,
+    V.INT64: 8,
+    V.FLOAT64: 8,
+}
 
 
 class _Walker:
@@ -355,8 +369,13 @@ def test_fuzzed_files_fail_cleanly(base: Base, tmp_path_factory: pytest.TempPath
 
     # deadline: a case that parses for seconds is a hang in the making; derandomize: the
     # same bounded set of cases on every run, so a failure here reproduces
-    @settings(max_examples=200, deadline=5000, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @settings(
+        max_examples=200,
+        deadline=5000,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(_mutations(blob, fields, header_end))
     def case(mutated: bytes) -> None:
         path = folder / f"case{next(counter)}.gguf"  # a new file each time: an old map may live on
@@ -399,8 +418,11 @@ def test_cli_prints_one_line_for_a_hostile_file(tmp_path: Path, base: Base) -> N
     bad.write_bytes(_patch(blob, _field(fields, "string_len", "tokenizer.ggml.tokens"), 1 << 63))
     proc = subprocess.run(
         [sys.executable, "-m", "fornax.cli", "generate", "hi", "--model", str(bad)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("fornax: error:") and "string length" in lines[0], lines

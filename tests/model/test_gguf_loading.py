@@ -29,12 +29,16 @@ _GGUF_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-}  # fmt: skip
+}
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -212,8 +216,10 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path):
     for model in [str(bad), str(tmp_path / "missing.gguf"), "no-such-alias"]:
         proc = subprocess.run(
             [sys.executable, "-m", "fornax.cli", "generate", "hi", "--model", model],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 1
         assert "Traceback" not in proc.stderr
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -223,8 +229,17 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path):
 # -- the torch dequantizers (layers/dequantize.py) against the gguf package's --
 
 # Byte offsets of each block's float16 scales (the rest of a block is any bytes at all).
-_SCALE_BYTES = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-                Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.BF16: []}  # fmt: skip
+_SCALE_BYTES = {
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q5_0: [0],
+    Q.Q5_1: [0, 2],
+    Q.Q8_0: [0],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+    Q.BF16: [],
+}
 
 
 def _random_blocks(qtype: Q, rows: int, blocks_per_row: int, rng: np.random.Generator) -> np.ndarray:

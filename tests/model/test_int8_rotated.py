@@ -164,8 +164,11 @@ def test_linear_tiers_by_row_count():
     assert torch.equal(lin(x), lin.large(x) + lin.bias)
     assert torch.equal(lin(x[:7]), F.linear(x[:7], lin.weight, lin.bias))
     # Linear's order with all three tiers (the one-call step reads them the same way)
-    lin.build_forms(LinearPlan(small="int4", small_max_rows=2, mid="bf16", mid_max_rows=7, large="int8 x int8",
-                               large_min_rows=8))  # fmt: skip
+    lin.build_forms(
+        LinearPlan(
+            small="int4", small_max_rows=2, mid="bf16", mid_max_rows=7, large="int8 x int8", large_min_rows=8
+        )
+    )
     assert isinstance(lin.mid, DenseBf16) and torch.equal(lin(x[:7]), lin.mid(x[:7]) + lin.bias)
     assert torch.equal(lin(x[:8]), lin.large(x[:8]) + lin.bias)
     plan = lin.configure(FormRequest("int4", 2, "w8a8", 1))  # from the first row past the small tier

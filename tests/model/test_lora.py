@@ -285,8 +285,15 @@ def test_adapted_steps_in_the_one_call_step_give_the_op_by_op_bits(default_gguf,
     config = gguf_model_config(read_gguf(default_gguf).metadata)
     for n in range(2):
         write_random_adapter(tmp_path / f"a{n}", config, rank=8, seed=n, scale=0.05)
-    llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", kv_cache_memory="128MiB",
-              lora=[f"a{n}={tmp_path / f'a{n}'}" for n in range(2)], max_lora_rank=8, progress=False)  # fmt: skip
+    llm = LLM(
+        str(default_gguf),
+        quantization="auto",
+        large_step_quantization="w8a8",
+        kv_cache_memory="128MiB",
+        lora=[f"a{n}={tmp_path / f'a{n}'}" for n in range(2)],
+        max_lora_rank=8,
+        progress=False,
+    )
     runner = llm.engine.runner
     assert runner.native_step is not None and runner.native_step.adapts
     tok = llm.get_tokenizer()

@@ -40,8 +40,12 @@ def _run_python(script: str, env: dict[str, str], timeout: float = 120) -> subpr
     """`script` in a fresh interpreter of this venv, from the repository root."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _env(**changes: str | None) -> dict[str, str]:

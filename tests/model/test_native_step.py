@@ -76,9 +76,13 @@ def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
 def test_same_tokens_and_logprobs(tiny_dir, dtype, quantization, small_rows, large, kv):
     arch, path = tiny_dir
     fused, op_by_op = _pair(
-        path, dtype=dtype, quantization=quantization, small_step_max_rows=small_rows, large_step_quantization=large,
+        path,
+        dtype=dtype,
+        quantization=quantization,
+        small_step_max_rows=small_rows,
+        large_step_quantization=large,
         kv_cache_dtype=kv,
-    )  # fmt: skip
+    )
     if arch == "qwen3":
         assert fused.engine.runner.native_step is None
         return

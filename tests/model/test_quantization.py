@@ -185,8 +185,14 @@ def test_int4_lm_head_serves_one_and_two_row_steps(default_gguf):
         pytest.skip("no native integer kernels (no C compiler): no int4 LM head")
     from fornax.layers.kernel_plan import LM_HEAD_INT4_MAX_ROWS
 
-    llm = LLM(str(default_gguf), quantization="auto", large_step_quantization="w8a8", lm_head_quantization="int4",
-              kv_cache_memory="32MiB", progress=False)  # fmt: skip
+    llm = LLM(
+        str(default_gguf),
+        quantization="auto",
+        large_step_quantization="w8a8",
+        lm_head_quantization="int4",
+        kv_cache_memory="32MiB",
+        progress=False,
+    )
     head = llm.engine.runner.model.lm_head
     assert isinstance(head.small, BlockInt4) and head.small_max_rows == LM_HEAD_INT4_MAX_ROWS
     assert head.weight is None  # the int8 x int8 form serves the larger steps; no dense copy left

@@ -122,8 +122,10 @@ def test_exact_layout_gives_one_process_bits(tiny_sources, arch, world):
     prompts = [PROMPT, PROMPT[3:], PROMPT[:7] * 3]
 
     def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
-        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
-                for o in llm.generate(prompts, params)]  # fmt: skip
+        return [
+            (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)
+        ]
 
     want = run(LLM(tiny_sources[arch], **args))
     tp = LLM(tiny_sources[arch], tensor_parallel_size=world, **args)

@@ -82,10 +82,12 @@ def test_smollm_splits_every_numeric_char(ours: Tokenizer, reference: Any) -> No
     from tokenizers import pre_tokenizers
 
     upstream = copy.deepcopy(reference.backend_tokenizer)
-    upstream.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])  # fmt: skip
+    upstream.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     for text in [*CORPUS, "café ½ ²³ Ⅻ 〇 2024"]:
         assert ours.encode(text) == upstream.encode(text, add_special_tokens=False).ids
     assert ours.convert_ids_to_tokens(ours.encode(" ½")) == ["Ġ", "Â½"]

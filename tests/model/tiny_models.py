@@ -76,10 +76,14 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
         config = transformers.LlamaConfig(
             **{**common, "tie_word_embeddings": True},
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
             },
-        )  # fmt: skip
+        )
     elif arch == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=24, head_dim=16)
     elif arch == "qwen2":
@@ -88,12 +92,16 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
         config = transformers.Qwen3Config(**common, head_dim=32, use_sliding_window=False)
     elif arch == "gemma3":  # sliding and global layers alternating, each with its RoPE base
         config = transformers.Gemma3TextConfig(
-            **{**common, "tie_word_embeddings": True}, head_dim=16, sliding_window=24, sliding_window_pattern=2,
-            query_pre_attn_scalar=24, rope_parameters={
+            **{**common, "tie_word_embeddings": True},
+            head_dim=16,
+            sliding_window=24,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=24,
+            rope_parameters={
                 "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
-        )  # fmt: skip
+        )
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -132,9 +140,13 @@ def make_wordpiece_files(out: Path) -> None:
     )
     # BERT's inputs, token types among them (PreTrainedTokenizerFast gives none unless told).
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
         model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )  # fmt: skip
+    )
     fast.save_pretrained(str(out))
 
 
@@ -146,9 +158,16 @@ def build_tiny_bert(out: Path, seed: int = 0, cross_encoder: bool = False) -> to
 
     labels = {"num_labels": 1} if cross_encoder else {}
     config = transformers.BertConfig(
-        vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu", **labels,
-    )  # fmt: skip
+        vocab_size=200,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        hidden_act="gelu",
+        **labels,
+    )
     torch.manual_seed(seed)
     if cross_encoder:
         model = transformers.BertForSequenceClassification(config)

@@ -32,8 +32,15 @@ class ThreadServer:
     def __init__(self, app: Any, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=1)  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -55,8 +62,13 @@ def chunk(content: str | None = None, finish: str | None = None, role: bool = Fa
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
     if content is not None:
         delta["content"] = content
-    body = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+    body = {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -89,8 +101,11 @@ class StubReplica:
 
     def _metrics(self) -> bytes:
         registry = CollectorRegistry()
-        for name, value in (("num_requests_running", self.running), ("num_requests_waiting", self.waiting),
-                            ("kv_cache_usage_perc", 0.25)):  # fmt: skip
+        for name, value in (
+            ("num_requests_running", self.running),
+            ("num_requests_waiting", self.waiting),
+            ("kv_cache_usage_perc", 0.25),
+        ):
             Gauge(f"fornax:{name}", name, ["model_name"], registry=registry).labels(self.models[0]).set(value)
         return generate_latest(registry)
 
@@ -173,9 +188,20 @@ class StubReplica:
         if not body.get("stream"):
             await asyncio.sleep(4 * self.delay)
             text = f"from {self.name}"
-            return JSONResponse({"object": "chat.completion", "replica": self.name, "auth": auth,
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                              "finish_reason": "stop"}]})  # fmt: skip
+            return JSONResponse(
+                {
+                    "object": "chat.completion",
+                    "replica": self.name,
+                    "auth": auth,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                }
+            )
         return StreamingResponse(self._events(mode), media_type="text/event-stream")
 
     async def _events(self, mode: str) -> AsyncIterator[str]:

@@ -67,7 +67,13 @@ def test_never_admitted_replica_enters_on_first_good_check() -> None:
 def test_outcomes_and_4xx() -> None:
     # The client's errors are outcomes, never faults (the stub tests check the replica stays in).
     assert [outcome_of(s) for s in (200, 400, 404, 429, 500, 503)] == [
-        "ok", "client_error", "client_error", "rate_limited", "error", "unavailable"]  # fmt: skip
+        "ok",
+        "client_error",
+        "client_error",
+        "rate_limited",
+        "error",
+        "unavailable",
+    ]
 
 
 def test_backoff_bounds() -> None:
@@ -119,8 +125,21 @@ def test_cli_flags_build_the_config() -> None:
 
     parser = argparse.ArgumentParser()
     add_router_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["router", "--replica", "http://a:1", "--replica", "http://b:2#tag=long",
-                              "--policy", "length", "--cache-max-chars", "1M", "--api-key", "k1"])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "router",
+            "--replica",
+            "http://a:1",
+            "--replica",
+            "http://b:2#tag=long",
+            "--policy",
+            "length",
+            "--cache-max-chars",
+            "1M",
+            "--api-key",
+            "k1",
+        ]
+    )
     config = router_config(args)
     assert [r.url for r in config.replicas] == ["http://a:1", "http://b:2"]
     assert config.policy == "length" and config.cache_max_chars == 1 << 20
@@ -129,10 +148,19 @@ def test_cli_flags_build_the_config() -> None:
 
 
 def test_upstream_headers() -> None:
-    client = {"Authorization": "Bearer user", "Content-Type": "application/json", "Connection": "keep-alive",
-              "Host": "router", "Accept-Encoding": "gzip", "X-Request-Id": "r1"}  # fmt: skip
-    assert upstream_headers(client, None) == {"Authorization": "Bearer user", "Content-Type": "application/json",
-                                              "X-Request-Id": "r1"}  # fmt: skip
+    client = {
+        "Authorization": "Bearer user",
+        "Content-Type": "application/json",
+        "Connection": "keep-alive",
+        "Host": "router",
+        "Accept-Encoding": "gzip",
+        "X-Request-Id": "r1",
+    }
+    assert upstream_headers(client, None) == {
+        "Authorization": "Bearer user",
+        "Content-Type": "application/json",
+        "X-Request-Id": "r1",
+    }
     assert upstream_headers(client, "rk")["authorization"] == "Bearer rk"
     assert "Authorization" not in upstream_headers(client, "rk")
 
@@ -174,8 +202,12 @@ def test_dns_discovery_adds_and_drains() -> None:
     assert len(replicas) == 3
     asyncio.run(dns.sync())
     assert sorted(replicas.urls()) == ["http://10.0.0.1:8000", "http://10.0.0.9:8000"]
-    assert events == [("add", "http://10.0.0.2:8000"), ("add", "http://10.0.0.3:8000"),
-                      ("remove", "http://10.0.0.2:8000"), ("remove", "http://10.0.0.3:8000")]  # fmt: skip
+    assert events == [
+        ("add", "http://10.0.0.2:8000"),
+        ("add", "http://10.0.0.3:8000"),
+        ("remove", "http://10.0.0.2:8000"),
+        ("remove", "http://10.0.0.3:8000"),
+    ]
 
 
 def test_replica_set_membership_from_threads() -> None:

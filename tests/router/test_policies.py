@@ -126,10 +126,19 @@ def test_length_pools() -> None:
 
 
 def test_route_request_facts() -> None:
-    r = route_request("chat", {"model": "m", "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {}}]},
-    ]})  # fmt: skip
+    r = route_request(
+        "chat",
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {}}],
+                },
+            ],
+        },
+    )
     assert r.model == "m" and r.text == "system\x1fBe brief.\x1euser\x1fHi" and r.est_tokens == 6
     assert chat_text("not a list") == ""
     assert completion_text("abcdefgh") == ("abcdefgh", 2)
@@ -146,12 +155,20 @@ def test_route_request_facts() -> None:
 
 
 def test_one_conversation_is_one_key_whichever_chat_shaped_api_sends_it() -> None:
-    chat = route_request("chat", {"messages": [{"role": "system", "content": "Be brief."},
-                                               {"role": "user", "content": "Hi"}]})  # fmt: skip
+    chat = route_request(
+        "chat", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    )
     responses = route_request("responses", {"instructions": "Be brief.", "input": "Hi"})
-    items = route_request("responses", {"instructions": "Be brief.", "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]})  # fmt: skip
-    messages = route_request("messages", {"system": [{"type": "text", "text": "Be brief."}],
-                                          "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    items = route_request(
+        "responses",
+        {
+            "instructions": "Be brief.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+        },
+    )
+    messages = route_request(
+        "messages",
+        {"system": [{"type": "text", "text": "Be brief."}], "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert chat.text == responses.text == items.text == messages.text == "system\x1fBe brief.\x1euser\x1fHi"
     assert route_request("responses", {"input": 5}).text == ""

@@ -47,8 +47,13 @@ def own_stubs() -> Iterator[tuple[StubReplica, StubReplica]]:
 
 @contextmanager
 def router(urls: list[str], **kw: object) -> Iterator[tuple[str, Router]]:
-    settings: dict[str, object] = {"policy": "round-robin", "poll_interval_s": 0.1, "backoff_base_s": 0.001,
-                                   "backoff_max_s": 0.01, "access_log": False} | kw  # fmt: skip
+    settings: dict[str, object] = {
+        "policy": "round-robin",
+        "poll_interval_s": 0.1,
+        "backoff_base_s": 0.001,
+        "backoff_max_s": 0.01,
+        "access_log": False,
+    } | kw
     config = RouterConfig(replicas=tuple(ReplicaSpec(u) for u in urls), **settings)
     app = create_app(config)
     server = ThreadServer(app).start()
@@ -72,8 +77,9 @@ def events(r: httpx.Response) -> list[str]:
 def stream(url: str, body: dict, **kw: object) -> tuple[httpx.Response, list[tuple[float, str]]]:
     """POST a streaming request; (response, [(arrival time, event data)])."""
     out: list[tuple[float, str]] = []
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10,
-                      **kw) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10, **kw
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append((time.monotonic(), line[len("data: ") :]))
@@ -204,8 +210,10 @@ def test_stream_failure_before_first_content_fails_over(stubs: tuple[StubReplica
         data = [d for _, d in got]
         assert r.headers["x-fornax-replica"] == b.url and r.headers["x-fornax-attempts"] == "2"
         assert data[-1] == "[DONE]" and sum('"role"' in d for d in data) == 1
-        assert "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-1]) == \
-            "b-0 b-1 b-2 b-3 "  # fmt: skip
+        assert (
+            "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-1])
+            == "b-0 b-1 b-2 b-3 "
+        )
 
 
 def test_in_band_engine_error_before_content_fails_over(stubs: tuple[StubReplica, StubReplica]) -> None:
@@ -286,8 +294,13 @@ def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> N
     a, b = stubs
     user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
     # poll_interval_s=10: no poll round during the test; b's admission comes from the POST itself
-    with router([a.url], api_keys=(("u", "user-key"),), admin_keys=(("ops", "admin-key"),),
-                replica_api_key="replica-key", poll_interval_s=10.0) as (url, rt):  # fmt: skip
+    with router(
+        [a.url],
+        api_keys=(("u", "user-key"),),
+        admin_keys=(("ops", "admin-key"),),
+        replica_api_key="replica-key",
+        poll_interval_s=10.0,
+    ) as (url, rt):
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert (
@@ -309,8 +322,10 @@ def test_auth_and_membership_routes(stubs: tuple[StubReplica, StubReplica]) -> N
         listed = httpx.get(url + "/router/replicas", headers=admin).json()
         assert [x["url"] for x in listed["data"]] == [a.url, b.url]
         assert all(x["healthy"] for x in listed["data"])
-        assert {httpx.post(url + "/v1/chat/completions", json=CHAT, headers=user).json()["replica"]
-                for _ in range(2)} == {"a", "b"}  # fmt: skip
+        assert {
+            httpx.post(url + "/v1/chat/completions", json=CHAT, headers=user).json()["replica"]
+            for _ in range(2)
+        } == {"a", "b"}
         r = httpx.request("DELETE", url + "/router/replicas", json={"url": a.url}, headers=admin)
         assert r.status_code == 200 and rt.replicas.urls() == [b.url]
         assert (
@@ -328,8 +343,9 @@ def test_client_authorization_passes_without_a_replica_key(stubs: tuple[StubRepl
 
 
 @pytest.mark.parametrize("replica_key", [None, "relay-key"])
-def test_polls_carry_the_poll_key_and_relayed_requests_do_not(own_stubs: tuple[StubReplica, StubReplica],
-                                                              replica_key: str | None) -> None:  # fmt: skip
+def test_polls_carry_the_poll_key_and_relayed_requests_do_not(
+    own_stubs: tuple[StubReplica, StubReplica], replica_key: str | None
+) -> None:
     """--replica-poll-key is for the router's own polls only: relayed requests keep the
     client's Authorization (or get --replica-api-key, when that is given too). Stubs of its own:
     a shared one may still get a poll (no key) from the previous test's router as it stops."""
@@ -409,8 +425,11 @@ def test_stored_responses_are_found_on_the_replica_that_holds_them(
             missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         )  # both were asked
         assert [r for r in other.requests if r.get("method") == "GET"] and not other.stored
-        lost = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "nope"},
-                          timeout=10)  # fmt: skip
+        lost = httpx.post(
+            url + "/v1/responses",
+            json={"model": MODEL, "input": "x", "previous_response_id": "nope"},
+            timeout=10,
+        )
         assert lost.status_code == 404 and lost.headers["x-fornax-attempts"] == "2"
         for stub in stubs:
             assert stub.health_status == 200 and stub.mode == "ok"  # a 404 ejects nobody

@@ -39,9 +39,22 @@ class Fleet:
         self.a = ServerProcess(REPLICA_ARGS, tmp / "a.log")
         self.b = ServerProcess(REPLICA_ARGS, tmp / "b.log")
         # The CLI entry point, as a user runs it (round-robin: the failover test knows who gets what).
-        args = ["router", "--replica", self.a.url, "--replica", self.b.url, "--policy", "round-robin",
-                "--poll-interval", "0.25", "--no-access-log", "--api-key", ROUTER_KEY,
-                "--admin-key", f"ops:{ADMIN_KEY}"]  # fmt: skip
+        args = [
+            "router",
+            "--replica",
+            self.a.url,
+            "--replica",
+            self.b.url,
+            "--policy",
+            "round-robin",
+            "--poll-interval",
+            "0.25",
+            "--no-access-log",
+            "--api-key",
+            ROUTER_KEY,
+            "--admin-key",
+            f"ops:{ADMIN_KEY}",
+        ]
         self.router = FornaxProcess("fornax router", args, tmp / "router.log")
         self.url = self.router.url
         self.restarted: ServerProcess | None = None
@@ -78,8 +91,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 def test_openai_client_through_the_router(fleet: Fleet) -> None:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key=ROUTER_KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                          max_tokens=8)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
+    )
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
     text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8)
     assert text.choices[0].text and text.usage.completion_tokens <= 8
@@ -87,9 +101,13 @@ def test_openai_client_through_the_router(fleet: Fleet) -> None:
     arrivals: list[float] = []
     pieces: list[str] = []
     finish = None
-    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
-                                                max_tokens=48, stream=True,
-                                                extra_body={"ignore_eos": True}):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=48,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic())
             pieces.append(chunk.choices[0].delta.content)
@@ -111,8 +129,9 @@ def test_responses_and_messages_through_the_router(fleet: Fleet) -> None:
     # Round-robin sends the next turn to the other replica first: it has no such response, so
     # the router asks on until the replica that stored it answers.
     for _ in range(2):
-        turn = client.responses.create(model=MODEL, input="Another?", previous_response_id=first.id,
-                                       max_output_tokens=8, temperature=0)  # fmt: skip
+        turn = client.responses.create(
+            model=MODEL, input="Another?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+        )
         assert turn.previous_response_id == first.id and turn.usage.input_tokens > first.usage.input_tokens
     assert client.responses.retrieve(first.id).id == first.id
     with client.responses.stream(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0) as s:
@@ -123,10 +142,12 @@ def test_responses_and_messages_through_the_router(fleet: Fleet) -> None:
     )
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
     claude = anthropic.Anthropic(base_url=fleet.url, api_key=ROUTER_KEY, max_retries=0)  # x-api-key
-    whole = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
-                                   extra_body={"temperature": 0})  # fmt: skip
-    with claude.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
-                                extra_body={"temperature": 0}) as stream:  # fmt: skip
+    whole = claude.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}], extra_body={"temperature": 0}
+    )
+    with claude.messages.stream(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}], extra_body={"temperature": 0}
+    ) as stream:
         streamed = stream.get_final_message()
     assert [b.text for b in streamed.content] == [b.text for b in whole.content]
     assert streamed.stop_reason == whole.stop_reason
@@ -154,18 +175,29 @@ def test_errors(fleet: Fleet) -> None:
 
 
 def test_cache_aware_routing_sticks_to_the_replica_holding_the_prefix(fleet: Fleet) -> None:
-    config = RouterConfig(replicas=(ReplicaSpec(fleet.a.url), ReplicaSpec(fleet.b.url)), policy="cache-aware",
-                          poll_interval_s=0.25, access_log=False)  # fmt: skip
+    config = RouterConfig(
+        replicas=(ReplicaSpec(fleet.a.url), ReplicaSpec(fleet.b.url)),
+        policy="cache-aware",
+        poll_interval_s=0.25,
+        access_log=False,
+    )
     server = ThreadServer(create_app(config)).start()
     try:
-        prefixes = [f"You are assistant number {i}. " + "Answer briefly and politely, citing facts. " * 14
-                    for i in range(3)]  # fmt: skip
+        prefixes = [
+            f"You are assistant number {i}. " + "Answer briefly and politely, citing facts. " * 14
+            for i in range(3)
+        ]
         seen: dict[int, list[tuple[str, str, int]]] = {i: [] for i in range(3)}
         for round_ in range(3):
             for i, system in enumerate(prefixes):
-                body = {"model": MODEL, "max_tokens": 2, "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"Question {round_}?"}]}  # fmt: skip
+                body = {
+                    "model": MODEL,
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"Question {round_}?"},
+                    ],
+                }
                 r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
                 assert r.status_code == 200, r.text
                 cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -182,8 +214,13 @@ def test_cache_aware_routing_sticks_to_the_replica_holding_the_prefix(fleet: Fle
 async def _one(client: httpx.AsyncClient, url: str, i: int, started: dict[int, str]) -> dict:
     """Request i: a streaming chat (i % 4 < 2) or a plain completion, 64 tokens."""
     if i % 4 < 2:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell story {i}"}], "max_tokens": 64,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Tell story {i}"}],
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+        }
         out: dict = {"i": i, "stream": True, "events": []}
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             out["status"], out["replica"] = r.status_code, r.headers.get("x-fornax-replica")
@@ -195,8 +232,13 @@ async def _one(client: httpx.AsyncClient, url: str, i: int, started: dict[int, s
         return out
     body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 64, "ignore_eos": True}
     r = await client.post(url + "/v1/completions", json=body)
-    return {"i": i, "stream": False, "status": r.status_code, "replica": r.headers.get("x-fornax-replica"),
-            "body": r.json()}  # fmt: skip
+    return {
+        "i": i,
+        "stream": False,
+        "status": r.status_code,
+        "replica": r.headers.get("x-fornax-replica"),
+        "body": r.json(),
+    }
 
 
 async def _burst_and_kill(fleet: Fleet) -> tuple[list[dict], dict[int, str]]:
@@ -238,8 +280,9 @@ def test_failover_when_a_replica_dies_and_rejoins(fleet: Fleet) -> None:
     state = fleet.replicas()
     assert not state[fleet.a.url]["healthy"] and state[fleet.a.url]["ejections"] >= 1
     for _ in range(4):  # nothing more goes to the dead replica
-        r = httpx.post(fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                       headers=AUTH)  # fmt: skip
+        r = httpx.post(
+            fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers=AUTH
+        )
         assert r.status_code == 200 and r.headers["x-fornax-replica"] == fleet.b.url
     # Restarted on the same port, it rejoins after its health checks and gets requests again.
     fleet.restarted = ServerProcess(REPLICA_ARGS, fleet.tmp / "a2.log", port=fleet.a.port)
@@ -250,8 +293,9 @@ def test_failover_when_a_replica_dies_and_rejoins(fleet: Fleet) -> None:
         time.sleep(0.1)
     seen = set()
     for _ in range(4):
-        r = httpx.post(fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
-                       headers=AUTH)  # fmt: skip
+        r = httpx.post(
+            fleet.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers=AUTH
+        )
         seen.add(r.headers["x-fornax-replica"])
     assert seen == {fleet.a.url, fleet.b.url}
     metrics = httpx.get(fleet.url + "/metrics", headers=AUTH).text

@@ -21,9 +21,15 @@ class ServerProcess(FornaxProcess):
 
     admin_key: str | None = None  # what /admin/* is called with (make_server sets it)
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str | None] | None = None,
-                 api_key: str | None = None, bootstrap: str | None = None,
-                 port: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str | None] | None = None,
+        api_key: str | None = None,
+        bootstrap: str | None = None,
+        port: int | None = None,
+    ) -> None:
         self.api_key = api_key
         full_env = {**os.environ, "FORNAX_HOME": os.environ.get("FORNAX_HOME", "/tmp/fhome"), **(env or {})}
         if "FORNAX_API_KEY" not in (env or {}):
@@ -55,9 +61,12 @@ class ServerProcess(FornaxProcess):
             state = self.state()
             engines = [m for m in state["models"] if m["loaded"]]  # every model's, when several
             if state["inflight_requests"] == 0 and all(
-                m["num_running"] == 0 and m["num_waiting"] == 0 and m["kv_cache_usage"] == 0
-                and m["engine_streams"] == 0 for m in engines
-            ):  # fmt: skip
+                m["num_running"] == 0
+                and m["num_waiting"] == 0
+                and m["kv_cache_usage"] == 0
+                and m["engine_streams"] == 0
+                for m in engines
+            ):
                 break
             time.sleep(0.05)
         return state
@@ -91,8 +100,13 @@ def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """Start servers for one module; each is checked idle (KV usage 0) and stopped at the end."""
     started: list[ServerProcess] = []
 
-    def make(args: list[str], env: dict[str, str | None] | None = None, api_key: str | None = None,
-             wait: bool = True, bootstrap: str | None = None) -> ServerProcess:  # fmt: skip
+    def make(
+        args: list[str],
+        env: dict[str, str | None] | None = None,
+        api_key: str | None = None,
+        wait: bool = True,
+        bootstrap: str | None = None,
+    ) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
         # /admin/* needs an admin key once keys are on: a server with a user key also gets one
         # (unless the test gives its own), so the fixture can check it idle.

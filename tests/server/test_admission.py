@@ -19,12 +19,25 @@ KEYS = {"alice": "sk-alice", "carol": "sk-carol", "ops": "sk-ops"}
 @pytest.fixture(scope="module")
 def server(make_server):
     return make_server(
-        ["--api-key", f"alice:{KEYS['alice']}", "--api-key", f"carol:{KEYS['carol']}",
-         "--admin-key", f"ops:{KEYS['ops']}", "--privileged-key", "carol",
-         "--max-model-len", str(MAX_MODEL_LEN), "--max-queued-sequences", "8", "--max-request-tokens", "2000",
-         "--no-access-log"],
+        [
+            "--api-key",
+            f"alice:{KEYS['alice']}",
+            "--api-key",
+            f"carol:{KEYS['carol']}",
+            "--admin-key",
+            f"ops:{KEYS['ops']}",
+            "--privileged-key",
+            "carol",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-queued-sequences",
+            "8",
+            "--max-request-tokens",
+            "2000",
+            "--no-access-log",
+        ],
         api_key=KEYS["ops"],
-    )  # fmt: skip
+    )
 
 
 def post(server, path: str, body: dict, key: str = "alice", timeout: float = 60) -> httpx.Response:
@@ -58,16 +71,25 @@ UNIMPLEMENTED = [
 
 @pytest.mark.parametrize(("field", "value"), UNIMPLEMENTED)
 def test_unimplemented_fields_are_refused_by_name(server, field: str, value: object) -> None:
-    for path, body in (("/v1/completions", completion()),
-                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                 "max_tokens": 2})):  # fmt: skip
+    for path, body in (
+        ("/v1/completions", completion()),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        ),
+    ):
         error = assert_error(post(server, path, {**body, field: value}), 400, param=field)
         assert field in error["message"]
 
 
 def test_fields_that_ask_for_nothing_more_are_accepted(server) -> None:
-    body = completion(response_format={"type": "text"}, tools=[], tool_choice="none", best_of=1,
-                      guided_decoding_backend="xgrammar")  # fmt: skip
+    body = completion(
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        best_of=1,
+        guided_decoding_backend="xgrammar",
+    )
     assert post(server, "/v1/completions", body).status_code == 200
 
 
@@ -126,11 +148,25 @@ def test_a_4_mib_body_does_not_stall_the_event_loop(server, tmp_path) -> None:
     # alone, not this process's own work of sending 4 MiB.
     path = tmp_path / "body.json"
     path.write_bytes(body)
-    sender = subprocess.Popen(["curl", "-s", "-o", str(tmp_path / "answer.json"), "-w", "%{http_code}",
-                               "-H", f"Authorization: {headers['Authorization']}",
-                               "-H", "Content-Type: application/json",
-                               "--data-binary", f"@{path}", server.url + "/v1/completions"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    sender = subprocess.Popen(
+        [
+            "curl",
+            "-s",
+            "-o",
+            str(tmp_path / "answer.json"),
+            "-w",
+            "%{http_code}",
+            "-H",
+            f"Authorization: {headers['Authorization']}",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{path}",
+            server.url + "/v1/completions",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     latencies: list[float] = []
     with httpx.Client(base_url=server.url, timeout=5) as probe:
         probe.get("/health")  # a warm connection

@@ -47,8 +47,9 @@ def test_continue_final_message_and_echo(server, client) -> None:
     start = "The capital of France is"
     messages = [*QUESTION, {"role": "assistant", "content": start}]
     extra = {"continue_final_message": True, "add_generation_prompt": False}
-    cont = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                          extra_body=extra)  # fmt: skip
+    cont = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=extra
+    )
     # The same as completing the rendered conversation cut right after the assistant's text,
     # where the template goes on to close the turn with "<|im_end|>" and "\n".
     ids = httpx.post(
@@ -57,22 +58,34 @@ def test_continue_final_message_and_echo(server, client) -> None:
     ref = client.completions.create(model=MODEL, prompt=ids[:-2], max_tokens=6, temperature=0)
     assert cont.choices[0].message.content == ref.choices[0].text
     assert cont.usage.prompt_tokens == ref.usage.prompt_tokens
-    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                            extra_body={**extra, "echo": True})  # fmt: skip
+    echoed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={**extra, "echo": True}
+    )
     assert echoed.choices[0].message.content == start + ref.choices[0].text
-    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                              extra_body={**extra, "echo": True}, stream=True)  # fmt: skip
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={**extra, "echo": True},
+        stream=True,
+    )
     assert _stream_parts(streamed)[1] == start + ref.choices[0].text
 
 
 def test_generation_prompt_switch_and_bad_continuations(client) -> None:
     with_prompt = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
-    without = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1,
-                                             extra_body={"add_generation_prompt": False})  # fmt: skip
+    without = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"add_generation_prompt": False}
+    )
     assert without.usage.prompt_tokens < with_prompt.usage.prompt_tokens  # no "<|im_start|>assistant\n"
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
-        client.chat.completions.create(model=MODEL, messages=[*QUESTION, {"role": "assistant", "content": "Pa"}],
-                                       max_tokens=1, extra_body={"continue_final_message": True})  # fmt: skip
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[*QUESTION, {"role": "assistant", "content": "Pa"}],
+            max_tokens=1,
+            extra_body={"continue_final_message": True},
+        )
     with pytest.raises(openai.BadRequestError, match="assistant"):
         extra = {"continue_final_message": True, "add_generation_prompt": False}
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1, extra_body=extra)
@@ -88,19 +101,32 @@ def _check_prompt_logprobs(entries, prompt_ids: list[int], k: int) -> None:
 def test_prompt_logprobs_on_completions_and_chat(server, client) -> None:
     prompt = "Roses are red, violets are"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-                                  extra_body={"prompt_logprobs": 2})  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     _check_prompt_logprobs(r.choices[0].model_extra["prompt_logprobs"], ids, 2)
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
-                                              stream=True, extra_body={"prompt_logprobs": 2}))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            extra_body={"prompt_logprobs": 2},
+        )
+    )
     first = [c.choices[0].model_extra.get("prompt_logprobs") for c in streamed if c.choices]
     assert first[0] == r.choices[0].model_extra["prompt_logprobs"] and not any(first[1:])
     chat_ids = httpx.post(server.url + "/tokenize", json={"messages": QUESTION}).json()["tokens"]
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,
-                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
     _check_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat_ids, 0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True,
-                                                 extra_body={"prompt_logprobs": 0}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}
+        )
+    )
     shown = [c.model_extra.get("prompt_logprobs") for c in chunks if c.model_extra.get("prompt_logprobs")]
     assert len(shown) == 1 and len(shown[0]) == len(chat_ids)
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
@@ -113,11 +139,27 @@ def test_prompt_logprobs_on_completions_and_chat(server, client) -> None:
 def test_continuous_usage_stats(client, route) -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
     if route == "chat":
-        chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0,
-                                                     stream=True, stream_options=options))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options=options,
+            )
+        )
     else:
-        chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
-                                                temperature=0, stream=True, stream_options=options))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt="Once upon a time",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options=options,
+            )
+        )
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > 0

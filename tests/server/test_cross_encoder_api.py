@@ -27,8 +27,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Pa
 @pytest.fixture(scope="module")
 def server(make_server, model):
     _, out = model
-    return make_server(["--model", str(out), "--served-model-name", "ce", "--dtype", "float32",
-                        "--no-access-log"])  # fmt: skip
+    return make_server(
+        ["--model", str(out), "--served-model-name", "ce", "--dtype", "float32", "--no-access-log"]
+    )
 
 
 def _reference(model: tuple[torch.nn.Module, Path], pairs: list[tuple[str, str]]) -> list[float]:
@@ -50,11 +51,20 @@ def _metric(server, name: str) -> float:
 
 
 def test_rerank_and_score_are_the_heads_scores(server, model) -> None:
-    before = {n: _metric(server, f"fornax:{n}") for n in ("embedding_requests_total",
-              "embedding_prompt_tokens_total", "embedding_request_latency_seconds_count")}  # fmt: skip
+    before = {
+        n: _metric(server, f"fornax:{n}")
+        for n in (
+            "embedding_requests_total",
+            "embedding_prompt_tokens_total",
+            "embedding_request_latency_seconds_count",
+        )
+    }
     ref = _reference(model, [(QUERY, d) for d in DOCS])
-    r = httpx.post(server.url + "/v1/rerank", json={"model": "ce", "query": QUERY, "documents": DOCS, "top_n": 4},
-                   timeout=60).json()  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/rerank",
+        json={"model": "ce", "query": QUERY, "documents": DOCS, "top_n": 4},
+        timeout=60,
+    ).json()
     expected = sorted(range(len(DOCS)), key=lambda i: -ref[i])[:4]
     assert [x["index"] for x in r["results"]] == expected, r
     assert all(abs(x["relevance_score"] - ref[x["index"]]) < 1e-4 for x in r["results"])
@@ -64,10 +74,12 @@ def test_rerank_and_score_are_the_heads_scores(server, model) -> None:
     )
     assert [d["score"] for d in s.json()["data"]] == pytest.approx(ref, abs=1e-4)
     firsts = [DOCS[-1], QUERY, "hardware", TRAIN_TEXT[1], "fox"]
-    pairwise = httpx.post(server.url + "/v1/score", json={"model": "ce", "text_1": firsts, "text_2": DOCS},
-                          timeout=60).json()  # fmt: skip
-    assert [d["score"] for d in pairwise["data"]] == pytest.approx(_reference(model, list(zip(firsts, DOCS))),
-                                                                   abs=1e-4)  # fmt: skip
+    pairwise = httpx.post(
+        server.url + "/v1/score", json={"model": "ce", "text_1": firsts, "text_2": DOCS}, timeout=60
+    ).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        _reference(model, list(zip(firsts, DOCS))), abs=1e-4
+    )
     tokens = (
         r["usage"]["total_tokens"] + s.json()["usage"]["prompt_tokens"] + pairwise["usage"]["prompt_tokens"]
     )
@@ -98,6 +110,9 @@ def test_models_card_and_refusals(server) -> None:
     for path, body, match in bad:
         r = httpx.post(server.url + path, json={"model": "ce", **body}, timeout=10)
         assert r.status_code == 400 and match in r.json()["error"]["message"], (path, body, r.text)
-    cut = httpx.post(server.url + "/v1/rerank", json={"model": "ce", "query": QUERY, "documents": ["word " * 400],
-                                                      "truncate_prompt_tokens": 32}, timeout=10)  # fmt: skip
+    cut = httpx.post(
+        server.url + "/v1/rerank",
+        json={"model": "ce", "query": QUERY, "documents": ["word " * 400], "truncate_prompt_tokens": 32},
+        timeout=10,
+    )
     assert cut.status_code == 200 and cut.json()["usage"]["total_tokens"] == 32, cut.text

@@ -14,8 +14,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 CHAT, EMBED = "smollm2-135m-instruct", "all-minilm-l6-v2"
-TEXTS = ["The capital of France is Paris.", "Bananas are yellow.", "def add(a, b): return a + b",
-         "北京是中国的首都。", "Paris is the capital city of France."]  # fmt: skip
+TEXTS = [
+    "The capital of France is Paris.",
+    "Bananas are yellow.",
+    "def add(a, b): return a + b",
+    "北京是中国的首都。",
+    "Paris is the capital city of France.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +53,9 @@ def test_embeddings_shape_usage_batching_and_base64(server, client) -> None:
     for text, batched in zip(TEXTS, vectors, strict=True):
         alone = client.embeddings.create(model=EMBED, input=text).data[0].embedding
         assert _cos(alone, batched) > 0.9999
-    raw = httpx.post(server.url + "/v1/embeddings", json={"model": EMBED, "input": TEXTS[:2],
-                                                          "encoding_format": "base64"}).json()  # fmt: skip
+    raw = httpx.post(
+        server.url + "/v1/embeddings", json={"model": EMBED, "input": TEXTS[:2], "encoding_format": "base64"}
+    ).json()
     decoded = [list(struct.unpack(f"<{384}f", base64.b64decode(d["embedding"]))) for d in raw["data"]]
     assert all(abs(x - y) < 1e-6 for a, b in zip(decoded, vectors[:2], strict=True) for x, y in zip(a, b))
     ids = client.embeddings.create(model=EMBED, input=[[101, 7592, 102]]).data[0].embedding
@@ -60,8 +66,9 @@ def test_embeddings_shape_usage_batching_and_base64(server, client) -> None:
 def test_rerank_and_score_order_by_the_embeddings_cosine(server, client) -> None:
     vectors = [d.embedding for d in client.embeddings.create(model=EMBED, input=TEXTS).data]
     query, docs = TEXTS[0], TEXTS[1:]
-    r = httpx.post(server.url + "/v1/rerank", json={"model": EMBED, "query": query, "documents": docs,
-                                                    "top_n": 3}).json()  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/rerank", json={"model": EMBED, "query": query, "documents": docs, "top_n": 3}
+    ).json()
     expected = sorted(range(len(docs)), key=lambda i: -_cos(vectors[0], vectors[i + 1]))[:3]
     assert [x["index"] for x in r["results"]] == expected and r["results"][0]["document"]["text"] == TEXTS[4]
     assert all(
@@ -86,16 +93,19 @@ def test_models_say_what_they_serve_and_chat_to_an_embedder_is_a_400(client) -> 
         client.completions.create(model=EMBED, prompt="Hi", max_tokens=2)
 
 
-@pytest.mark.parametrize(("body", "match"), [
-    ({"input": ""}, "empty string"),
-    ({"input": []}, "must not be empty"),
-    ({"input": ["x"] * 10_000}, "at most"),
-    ({"input": [[10**9]]}, "out of range"),
-    ({"input": "word " * 2000}, "context"),
-    ({"input": "x", "dimensions": 10}, "dimensions"),
-    ({"input": [-997, -7820124], "dimensions": -1014}, "dimensions"),  # found by the campaign: was a 500
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"input": ""}, "empty string"),
+        ({"input": []}, "must not be empty"),
+        ({"input": ["x"] * 10_000}, "at most"),
+        ({"input": [[10**9]]}, "out of range"),
+        ({"input": "word " * 2000}, "context"),
+        ({"input": "x", "dimensions": 10}, "dimensions"),
+        ({"input": [-997, -7820124], "dimensions": -1014}, "dimensions"),  # found by the campaign: was a 500
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
 def test_bad_input_is_a_clear_400(server, body, match) -> None:
     r = httpx.post(server.url + "/v1/embeddings", json={"model": EMBED, **body}, timeout=60)
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text

@@ -40,8 +40,13 @@ def test_decode_steps_do_not_sleep_at_openmp_barriers(make_server) -> None:
     # OpenMP's default waiting, as a user's server has it (make test sets OMP_WAIT_POLICY=PASSIVE,
     # under which every barrier sleeps by design)
     server = make_server([*MAKE_RUN_FLAGS, "--no-access-log"], env={"OMP_WAIT_POLICY": None})
-    body = {"model": "smollm2-135m-instruct", "prompt": "The harbour town woke slowly.", "max_tokens": TOKENS,
-            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": "The harbour town woke slowly.",
+        "max_tokens": TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()  # first-use costs
     before = voluntary_switches(server.proc.pid)
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)

@@ -20,10 +20,25 @@ MAX_BODY = 64 * 1024
 @pytest.fixture(scope="module")
 def server(make_server):
     return make_server(
-        ["--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY), "--max-n", "4",
-         "--max-stop-strings", "4", "--max-logit-bias", "8", "--max-top-logprobs", "5", "--max-messages", "16"],
-        env={"FORNAX_API_KEY": KEY}, api_key=KEY,
-    )  # fmt: skip
+        [
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--max-n",
+            "4",
+            "--max-stop-strings",
+            "4",
+            "--max-logit-bias",
+            "8",
+            "--max-top-logprobs",
+            "5",
+            "--max-messages",
+            "16",
+        ],
+        env={"FORNAX_API_KEY": KEY},
+        api_key=KEY,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +51,13 @@ def chat_body(**kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **kw}
 
 
-def assert_error(r: httpx.Response, status: int, type_: str | None = None, param: str | None = None,
-                 code: str | None = None) -> dict:  # fmt: skip
+def assert_error(
+    r: httpx.Response,
+    status: int,
+    type_: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -61,8 +81,14 @@ def test_auth(server):
         {"Authorization": KEY},
         {"Authorization": "Basic x"},
     ):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/admin/usage"),
-                             ("GET", "/version"), ("POST", "/tokenize"), ("GET", "/nope")):  # fmt: skip
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/admin/usage"),
+            ("GET", "/version"),
+            ("POST", "/tokenize"),
+            ("GET", "/nope"),
+        ):
             r = httpx.request(method, server.url + path, headers=headers, json=chat_body())
             assert_error(r, 401, "authentication_error")
     assert httpx.get(server.url + "/v1/models", headers=server.headers).status_code == 200
@@ -75,16 +101,25 @@ def test_auth(server):
 
 def test_context_length_exceeded(http):
     long_text = "word " * 400
-    err = assert_error(http.post("/v1/chat/completions",
-                                 json=chat_body(messages=[{"role": "user", "content": long_text}])),
-                       400, "invalid_request_error", code="context_length_exceeded")  # fmt: skip
+    err = assert_error(
+        http.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": long_text}])),
+        400,
+        "invalid_request_error",
+        code="context_length_exceeded",
+    )
     assert str(MAX_MODEL_LEN) in err["message"]
-    err = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 300}),
-                       400, code="context_length_exceeded", param="max_tokens")  # fmt: skip
+    err = assert_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 300}),
+        400,
+        code="context_length_exceeded",
+        param="max_tokens",
+    )
     assert "300" in err["message"] and str(MAX_MODEL_LEN) in err["message"]
     # max_tokens absent: clamped to what the context leaves, never an error
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello " * 200, "temperature": 0,
-                                           "ignore_eos": True})  # fmt: skip
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "Hello " * 200, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     u = r.json()["usage"]
     assert u["prompt_tokens"] + u["completion_tokens"] == MAX_MODEL_LEN
@@ -146,8 +181,12 @@ def test_invalid_completions_are_400(http, body, param):
 
 
 def test_unknown_model_route_method(http):
-    assert_error(http.post("/v1/chat/completions", json=chat_body(model="gpt-9")), 404, code="model_not_found",
-                 param="model")  # fmt: skip
+    assert_error(
+        http.post("/v1/chat/completions", json=chat_body(model="gpt-9")),
+        404,
+        code="model_not_found",
+        param="model",
+    )
     assert_error(http.get("/v1/nothing"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)
     assert_error(http.post("/detokenize", json={"tokens": [10**8]}), 400, param="tokens")
@@ -170,8 +209,10 @@ def test_oversized_bodies_are_413(server, http):
 
     assert_error(http.post("/v1/chat/completions", content=chunked()), 413)
     # A lying Content-Length on a raw socket: the server stops at its limit, not at the header.
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Length: {MAX_BODY * 100}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Length: {MAX_BODY * 100}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(head)
         reply = s.recv(4096).decode(errors="replace")
@@ -262,8 +303,9 @@ def test_fuzz_only_4xx_and_server_stays_healthy(server, http):
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, http):
     before = server.state()["aborted_requests"]
     body = chat_body(max_tokens=200, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers,
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=60
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         seen = 0
@@ -285,8 +327,12 @@ def test_disconnect_while_waiting_non_streaming(server):
     before = server.state()["aborted_requests"]
     start = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=1.0,
-                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True})  # fmt: skip
+        httpx.post(
+            server.url + "/v1/completions",
+            headers=server.headers,
+            timeout=1.0,
+            json={"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True},
+        )
     state = server.wait_idle(timeout=10)
     assert state["num_running"] == 0 and state["kv_cache_usage"] == 0, state
     assert state["aborted_requests"] == before + 1

@@ -46,8 +46,9 @@ PROMPT = [504, 3458, 282, 253, 1345, 30, 378, 314, 6615, 28]  # any real token i
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server([*MAKE_RUN_FLAGS, "--no-access-log",
-                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], bootstrap=BOOTSTRAP)  # fmt: skip
+    return make_server(
+        [*MAKE_RUN_FLAGS, "--no-access-log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], bootstrap=BOOTSTRAP
+    )
 
 
 def completion(prompt: list[int], **kw: object) -> dict:

@@ -33,8 +33,18 @@ def _ask(server, question: str) -> tuple[str, int]:
 
 def test_disk_tier_outlives_the_server(make_server, tmp_path):
     # 40 blocks of 16: one ~350-token request fits with room to spare.
-    args = ["--served-model-name", "m", "--num-blocks", "40", "--kv-offload-memory", "32MiB",
-            "--kv-offload-dir", str(tmp_path / "kv"), "--kv-offload-disk", "1GiB"]  # fmt: skip
+    args = [
+        "--served-model-name",
+        "m",
+        "--num-blocks",
+        "40",
+        "--kv-offload-memory",
+        "32MiB",
+        "--kv-offload-dir",
+        str(tmp_path / "kv"),
+        "--kv-offload-disk",
+        "1GiB",
+    ]
     # The reference answers from its primary prefix cache: the same attention path (a cached
     # prefix, then the question) as an answer from the disk tier, so the same bits.
     reference = make_server(["--served-model-name", "m", "--num-blocks", "40"])

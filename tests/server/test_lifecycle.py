@@ -18,8 +18,9 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def server(make_server):
     # One sequence at a time and one queued request: easy to fill the queue.
-    return make_server(["--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60"],
-                       wait=False)  # fmt: skip
+    return make_server(
+        ["--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60"], wait=False
+    )
 
 
 def test_loading_answers_503_then_ready(server):
@@ -68,8 +69,14 @@ def test_sigterm_drains_inflight_then_exits_0(server):
     first_chunk = [threading.Event(), threading.Event()]
 
     def stream(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": f"Story {i}:",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         text, reason, usage = "", None, None
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():

@@ -28,15 +28,36 @@ MAX_TOKENS = 12
 def setup(make_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-server")
     hf = build_tiny_model("qwen2", root / "base")
-    adapters = {"alpha": (8, 16, ["q_proj", "v_proj", "down_proj"], False), "beta": (4, 8, ["o_proj"], False),
-                "gamma": (16, 16, ["gate_proj", "up_proj"], True)}  # fmt: skip
+    adapters = {
+        "alpha": (8, 16, ["q_proj", "v_proj", "down_proj"], False),
+        "beta": (4, 8, ["o_proj"], False),
+        "gamma": (16, 16, ["gate_proj", "up_proj"], True),
+    }
     for seed, (name, spec) in enumerate(adapters.items()):
         make_adapter(hf, root / name, *spec, seed=seed)
     server = make_server(
-        ["--model", str(root / "base"), "--served-model-name", "tiny", "--dtype", "float32", "--no-access-log",
-         "--lora", f"alpha={root / 'alpha'}", "--lora", f"beta={root / 'beta'}", "--max-loras", "1",
-         "--max-lora-rank", "16", "--admin-key", f"ops:{ADMIN}", "--api-key", f"user:{USER}"],
-    )  # fmt: skip
+        [
+            "--model",
+            str(root / "base"),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--no-access-log",
+            "--lora",
+            f"alpha={root / 'alpha'}",
+            "--lora",
+            f"beta={root / 'beta'}",
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            "16",
+            "--admin-key",
+            f"ops:{ADMIN}",
+            "--api-key",
+            f"user:{USER}",
+        ],
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=USER, max_retries=0, timeout=60)
     return server, client, hf, root
 
@@ -50,14 +71,16 @@ def _expected(hf, root, name: str | None) -> str:
     model = hf if name is None else PeftModel.from_pretrained(copy.deepcopy(hf), str(root / name)).eval()
     mask = torch.ones(1, len(PROMPT), dtype=torch.long)
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([PROMPT]), attention_mask=mask, max_new_tokens=MAX_TOKENS,
-                             do_sample=False)  # fmt: skip
+        out = model.generate(
+            input_ids=torch.tensor([PROMPT]), attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False
+        )
     return Tokenizer.from_pretrained_dir(root / "base").decode(out[0, len(PROMPT) :].tolist())
 
 
 def _tokens(client, model: str) -> str:
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.model == model and out.usage.completion_tokens == MAX_TOKENS
     return out.choices[0].text
 

@@ -145,8 +145,9 @@ def test_thinking_block_streamed_and_whole(client):
     )
     assert [b.type for b in whole.content] == ["thinking", "text"], blocks(whole)
     assert whole.content[0].thinking.strip() and whole.content[0].signature.startswith("sha256:")
-    text, final = streamed(client, max_tokens=60, thinking={"type": "enabled", "budget_tokens": 1024},
-                           extra_body=THINK)  # fmt: skip
+    text, final = streamed(
+        client, max_tokens=60, thinking={"type": "enabled", "budget_tokens": 1024}, extra_body=THINK
+    )
     assert blocks(final) == blocks(whole) and text == text_of(whole)
     # Thinking sent back is dropped from the prompt: the conversation goes on.
     history = [*HELLO, {"role": "assistant", "content": whole.content}, {"role": "user", "content": "Again."}]
@@ -200,8 +201,12 @@ def test_auth_by_x_api_key(server):
     assert _raw(server, chat, path="/v1/chat/completions").status_code == 200
     wrong = _raw(server, chat, key="sk-wrong", path="/v1/chat/completions")
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-    bearer = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
-                        headers=server.headers, timeout=60)  # fmt: skip
+    bearer = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
+        headers=server.headers,
+        timeout=60,
+    )
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
 
 

@@ -43,14 +43,31 @@ def test_token_buckets_end_at_max_context():
     assert token_buckets(10) == (1, 2, 5, 10)
 
 
-def engine_stats(running: int, waiting: int, free_blocks: int, preemptions: int, queries: int, hits: int,
-                 drafts: int = 0, accepted: int = 0) -> EngineStats:  # fmt: skip
+def engine_stats(
+    running: int,
+    waiting: int,
+    free_blocks: int,
+    preemptions: int,
+    queries: int,
+    hits: int,
+    drafts: int = 0,
+    accepted: int = 0,
+) -> EngineStats:
     return EngineStats(
-        num_running=running, num_waiting=waiting, num_preemptions_total=preemptions, block_size=16,
-        num_kv_blocks=64, num_free_kv_blocks=free_blocks, kv_cache_usage=1.0 - free_blocks / 64,
-        prefix_cache_queries=queries, prefix_cache_hits=hits, spec_num_draft_tokens_total=drafts,
-        spec_num_accepted_tokens_total=accepted, last_step_num_batched_tokens=0, last_step_num_seqs=0,
-    )  # fmt: skip
+        num_running=running,
+        num_waiting=waiting,
+        num_preemptions_total=preemptions,
+        block_size=16,
+        num_kv_blocks=64,
+        num_free_kv_blocks=free_blocks,
+        kv_cache_usage=1.0 - free_blocks / 64,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        spec_num_draft_tokens_total=drafts,
+        spec_num_accepted_tokens_total=accepted,
+        last_step_num_batched_tokens=0,
+        last_step_num_seqs=0,
+    )
 
 
 def test_engine_totals_are_mirrored_by_delta():
@@ -127,9 +144,15 @@ def test_tokens_success_and_latency_histograms(server, client):
     assert delta(before, after, "fornax:request_success_total", finished_reason="length") == n
     assert delta(before, after, "fornax:requests_total", endpoint="chat") == n
     assert delta(before, after, "fornax:requests_total", endpoint="completions") == 0
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
-                 "request_time_per_output_token_seconds"):  # fmt: skip
+    for hist in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_time_per_output_token_seconds",
+    ):
         assert delta(before, after, f"fornax:{hist}_count") == n, hist
     num_generated = sum(u.completion_tokens for u in usages)
     assert delta(before, after, "fornax:request_generation_tokens_sum") == num_generated
@@ -190,8 +213,13 @@ def test_aborted_stream_and_bad_request(server, client):
     assert delta(before, after, "fornax:request_errors_total", status="400") == 1
     # An abort is neither a success nor a latency sample.
     assert delta(before, after, "fornax:e2e_request_latency_seconds_count") == 0
-    assert sum(delta(before, after, "fornax:request_success_total", finished_reason=r)
-               for r in ("stop", "length", "abort")) == 0  # fmt: skip
+    assert (
+        sum(
+            delta(before, after, "fornax:request_success_total", finished_reason=r)
+            for r in ("stop", "length", "abort")
+        )
+        == 0
+    )
 
 
 def test_bench_serve_token_counts_match_server_metrics(server, tmp_path):
@@ -204,10 +232,33 @@ def test_bench_serve_token_counts_match_server_metrics(server, tmp_path):
     before = scrape(server)
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "-m", "fornax.cli", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
-        "--model", MODEL, "--dataset", "random", "--num-prompts", "6", "--random-input-len", "40",
-        "--random-output-len", "8", "--max-concurrency", "3", "--seed", "1", "--no-progress", "--json", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "fornax.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--api-key",
+        KEY,
+        "--model",
+        MODEL,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "40",
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "3",
+        "--seed",
+        "1",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(out.read_text())["summary"]

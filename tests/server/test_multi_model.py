@@ -29,8 +29,10 @@ def _series(metrics: str, name: str, model: str) -> float:
 
 def test_two_models_answer_alternately_with_their_own_outputs(make_server, gemma3_gguf):
     # OpenMP's default waiting (test_engine_thread.py says why the barriers are counted)
-    server = make_server(["--model", SMOL, "--model", GEMMA, "--max-model-len", "2048", "--no-access-log"],
-                         env={"OMP_WAIT_POLICY": None})  # fmt: skip
+    server = make_server(
+        ["--model", SMOL, "--model", GEMMA, "--max-model-len", "2048", "--no-access-log"],
+        env={"OMP_WAIT_POLICY": None},
+    )
     models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in models] == [SMOL, GEMMA] and all(m["max_model_len"] == 2048 for m in models)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -79,8 +81,21 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_lazy_loading_keeps_at_most_k_and_unloads_the_least_recently_used(make_server, tiny_dir):
-    server = make_server(["--model", SMOL, "--model", str(tiny_dir), "--served-model-name", "smol",
-                          "--served-model-name", "tiny", "--max-loaded-models", "1", "--no-access-log"])  # fmt: skip
+    server = make_server(
+        [
+            "--model",
+            SMOL,
+            "--model",
+            str(tiny_dir),
+            "--served-model-name",
+            "smol",
+            "--served-model-name",
+            "tiny",
+            "--max-loaded-models",
+            "1",
+            "--no-access-log",
+        ]
+    )
     state = server.state()
     assert [m["loaded"] for m in state["models"]] == [False, False]  # nothing until asked for
 

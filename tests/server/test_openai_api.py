@@ -61,8 +61,16 @@ def test_chat_stream_matches_non_stream(client):
     # near-tie: warm the cache first so both compared requests see the same cached prefix.
     chat(client, "Name a color.", max_tokens=1, temperature=0)
     ref = chat(client, "Name a color.", max_tokens=12, temperature=0)
-    chunks = list(chat(client, "Name a color.", max_tokens=12, temperature=0, stream=True,
-                       stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        chat(
+            client,
+            "Name a color.",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -77,8 +85,9 @@ def test_chat_stream_matches_non_stream(client):
 
 def test_stream_sse_framing_ends_with_done(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers,
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=60
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)
@@ -133,15 +142,17 @@ def test_chat_logprobs(client):
 
 
 def test_completions_logprobs_and_echo(client):
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
-                                  logprobs=2)  # fmt: skip
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
     assert r.id.startswith("cmpl-") and r.object == "text_completion"
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset)
-    e = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
-                                  echo=True, logprobs=1)  # fmt: skip
+    e = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
     assert e.choices[0].text == "The capital of France is" + r.choices[0].text
     elp = e.choices[0].logprobs
     n_prompt = e.usage.prompt_tokens
@@ -162,20 +173,30 @@ def test_completions_prompt_forms(client, server):
     by_text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    batch = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], max_tokens=4,
-                                      temperature=0, n=2)  # fmt: skip
+    batch = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "Hello"], max_tokens=4, temperature=0, n=2
+    )
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert batch.choices[0].text == batch.choices[1].text  # greedy samples of one prompt agree
-    batch_ids = client.completions.create(model=MODEL, prompt=[ids["tokens"], ids["tokens"]], max_tokens=6,
-                                          temperature=0)  # fmt: skip
+    batch_ids = client.completions.create(
+        model=MODEL, prompt=[ids["tokens"], ids["tokens"]], max_tokens=6, temperature=0
+    )
     assert [c.text for c in batch_ids.choices] == [by_text.choices[0].text] * 2
 
 
 def test_completions_stream_with_usage_and_echo(client):
     ref = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0,
-                                            stream=True, echo=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Roses are red,",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            echo=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == "Roses are red," + ref.choices[0].text
     assert chunks[-1].usage.total_tokens == ref.usage.total_tokens

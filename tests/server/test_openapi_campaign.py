@@ -26,9 +26,25 @@ MAX_EXAMPLES = 40
 def server(make_server):
     # Small bounds so that generated requests stay cheap: a short context, 4 tokens at most; LoRA
     # slots, so that generated adapter loads reach the loader's checks.
-    return make_server(["--api-key", f"user:{KEYS['user']}", "--admin-key", f"ops:{KEYS['admin']}",
-                        "--max-model-len", "128", "--max-tokens-limit", "4", "--max-n", "2", "--max-prompts", "4",
-                        "--no-access-log", "--enable-lora"], api_key=KEYS["admin"])  # fmt: skip
+    return make_server(
+        [
+            "--api-key",
+            f"user:{KEYS['user']}",
+            "--admin-key",
+            f"ops:{KEYS['admin']}",
+            "--max-model-len",
+            "128",
+            "--max-tokens-limit",
+            "4",
+            "--max-n",
+            "2",
+            "--max-prompts",
+            "4",
+            "--no-access-log",
+            "--enable-lora",
+        ],
+        api_key=KEYS["admin"],
+    )
 
 
 def _openapi_document() -> dict:
@@ -40,8 +56,12 @@ def _openapi_document() -> dict:
 
 
 SCHEMA = schemathesis.openapi.from_dict(_openapi_document())
-OPERATIONS = [(path, method.upper()) for path, item in SCHEMA.raw_schema["paths"].items() for method in item
-              if path not in ("/v1/fornax/events", "/v1/fornax/live")]  # fmt: skip
+OPERATIONS = [
+    (path, method.upper())
+    for path, item in SCHEMA.raw_schema["paths"].items()
+    for method in item
+    if path not in ("/v1/fornax/events", "/v1/fornax/live")
+]
 
 
 def test_the_served_document_is_the_one_tested(server) -> None:
@@ -68,8 +88,13 @@ def test_generated_requests_never_get_a_5xx(server, path: str, method: str) -> N
     statuses: list[int] = []  # the admin's: generated requests must reach the route itself
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck), database=None)  # fmt: skip
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     def campaign(case) -> None:
         for role, key in KEYS.items():
             headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -41,8 +41,9 @@ def tiny(make_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-qwen3-thinking")
     build_tiny_model("qwen3", out)
     make_tokenizer_files(out, added_tokens=("<think>", "</think>"), chat_template=TEMPLATE)
-    server = make_server(["--model", str(out), "--served-model-name", "tiny", "--dtype", "float32",
-                          "--no-access-log"])  # fmt: skip
+    server = make_server(
+        ["--model", str(out), "--served-model-name", "tiny", "--dtype", "float32", "--no-access-log"]
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     from fornax.tokenizer import Tokenizer
 
@@ -60,8 +61,9 @@ def _chat(client, stream: bool = False, **kw):
     if not stream:
         return client.chat.completions.create(**body)
     chunks = list(client.chat.completions.create(**body, stream=True))
-    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-                        for c in chunks if c.choices)  # fmt: skip
+    reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return reasoning or None, content
 
@@ -75,8 +77,9 @@ def test_thinking_on_the_schema_holds_after_the_thinking(tiny) -> None:
     assert message.model_extra.get("reasoning_content") is None  # an empty thought
     assert r.choices[0].finish_reason == "stop"
     assert _chat(client, stream=True, max_tokens=40, logit_bias=bias, response_format=JSON_FORMAT) == (
-        None, message.content
-    )  # fmt: skip
+        None,
+        message.content,
+    )
 
 
 def test_thinking_text_goes_to_reasoning_content(tiny) -> None:
@@ -98,13 +101,16 @@ def test_thinking_text_goes_to_reasoning_content(tiny) -> None:
     )
 
 
-@pytest.mark.parametrize("switch", [{"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
-                                    {"reasoning_effort": "none"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "switch",
+    [{"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, {"reasoning_effort": "none"}],
+)
 def test_thinking_off_the_schema_holds_from_the_first_token(tiny, switch) -> None:
     client, ids = tiny
     on = _chat(client, max_tokens=40, logit_bias={str(ids["</think>"]): 100}, response_format=JSON_FORMAT)
-    off = _chat(client, max_tokens=40, logit_bias={str(ids["</think>"]): 100}, response_format=JSON_FORMAT,
-                **switch)  # fmt: skip
+    off = _chat(
+        client, max_tokens=40, logit_bias={str(ids["</think>"]): 100}, response_format=JSON_FORMAT, **switch
+    )
     assert (
         off.usage.prompt_tokens == on.usage.prompt_tokens + 1
     )  # the template closed the span: one more token

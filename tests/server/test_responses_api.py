@@ -19,10 +19,14 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"], "additionalProperties": False},
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
     "strict": True,
-}  # fmt: skip
+}
 THINK = {"structured_outputs": {"regex": "<think>[a-z ]{1,30}</think>[a-z ]{1,30}"}}
 
 
@@ -73,8 +77,13 @@ def test_create_shape_usage_and_incomplete(client):
 def test_stream_equals_the_whole_reply(client):
     create(client, "Name a color.", max_output_tokens=1)  # warm the prefix cache: see test_openai_api.py
     whole = create(client, "Name a color.", max_output_tokens=12, extra_body={"ignore_eos": True})
-    with client.responses.stream(model=MODEL, input="Name a color.", temperature=0, max_output_tokens=12,
-                                 extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+    with client.responses.stream(
+        model=MODEL,
+        input="Name a color.",
+        temperature=0,
+        max_output_tokens=12,
+        extra_body={"ignore_eos": True},
+    ) as stream:
         events = list(stream)
     numbers = [e.sequence_number for e in events]
     assert numbers == list(range(len(events)))
@@ -98,8 +107,9 @@ class City(BaseModel):
 
 
 def test_parse_gives_the_pydantic_object(client):
-    r = client.responses.parse(model=MODEL, input="Describe Paris as JSON.", text_format=City, temperature=0,
-                               max_output_tokens=60)  # fmt: skip
+    r = client.responses.parse(
+        model=MODEL, input="Describe Paris as JSON.", text_format=City, temperature=0, max_output_tokens=60
+    )
     assert isinstance(r.output_parsed, City)
 
 
@@ -113,9 +123,11 @@ def test_previous_response_id_continues_get_and_delete(client, bob, server):
     got = client.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == second.output_text and got.usage == second.usage
 
-    for other in (lambda: bob.responses.retrieve(first.id),
-                  lambda: create(bob, "hi", previous_response_id=first.id, max_output_tokens=2),
-                  lambda: bob.responses.delete(first.id)):  # fmt: skip
+    for other in (
+        lambda: bob.responses.retrieve(first.id),
+        lambda: create(bob, "hi", previous_response_id=first.id, max_output_tokens=2),
+        lambda: bob.responses.delete(first.id),
+    ):
         with pytest.raises(openai.NotFoundError) as info:
             other()
         assert info.value.status_code == 404 and info.value.body["code"] == "not_found"
@@ -133,8 +145,13 @@ def test_previous_response_id_continues_get_and_delete(client, bob, server):
 
 
 def test_function_tool_round_trip(client):
-    first = create(client, "What is the weather in Oslo?", tools=[WEATHER], max_output_tokens=60,
-                   tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    first = create(
+        client,
+        "What is the weather in Oslo?",
+        tools=[WEATHER],
+        max_output_tokens=60,
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert isinstance(json.loads(call.arguments)["city"], str) and first.status == "completed"
@@ -144,8 +161,13 @@ def test_function_tool_round_trip(client):
 
 
 def _think(client, stream: bool):
-    kw = {"model": MODEL, "input": "Think, then answer: hi?", "temperature": 0, "max_output_tokens": 60,
-          "extra_body": THINK}  # fmt: skip
+    kw = {
+        "model": MODEL,
+        "input": "Think, then answer: hi?",
+        "temperature": 0,
+        "max_output_tokens": 60,
+        "extra_body": THINK,
+    }
     if not stream:
         return client.responses.create(**kw), None
     with client.responses.stream(**kw) as s:

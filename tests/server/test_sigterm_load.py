@@ -30,8 +30,7 @@ SHUTDOWN_TIMEOUT = 120  # generous: the drain, not the timeout, is what this tes
 
 @pytest.fixture(scope="module")
 def server(make_server):
-    return make_server([*MAKE_RUN_FLAGS,
-                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)])  # fmt: skip
+    return make_server([*MAKE_RUN_FLAGS, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)])
 
 
 @dataclass
@@ -48,8 +47,14 @@ class StreamResult:
 async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, result: StreamResult) -> None:
     """One streaming request, chat or completions by turn; `started` is set at its first token."""
     chat = i % 2 == 0
-    body: dict = {"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict = {
+        "model": MODEL,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": f"Tell story number {i} about a lighthouse."}]
     else:

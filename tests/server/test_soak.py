@@ -52,8 +52,10 @@ def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
     """Found by the soak: a client that left while its body was being read was logged as an
     unhandled error, twice with its traceback, and counted as a 500."""
     before = _server_errors(server)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(head + b'{"model": ')
@@ -70,8 +72,7 @@ def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
 def test_shortened_soak_leaks_nothing(server):
     requests, concurrency = 300, 24
     # Outputs of 8-32 tokens (the benchmark: 8-48): under a minute even beside other tests.
-    report = soak.run_soak(server.url, requests, concurrency, max_tokens=(8, 32), pid=server.proc.pid,
-                           seed=1)  # fmt: skip
+    report = soak.run_soak(server.url, requests, concurrency, max_tokens=(8, 32), pid=server.proc.pid, seed=1)
     summary = report.summary()
     print(summary)
     goals = report.goals(check_rss=False)

@@ -27,21 +27,27 @@ WEATHER = {
         "description": "Current weather for a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40},
-                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
             "required": ["city", "unit"],
             "additionalProperties": False,
         },
     },
-}  # fmt: skip
+}
 TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
-                       "required": ["timezone"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 40}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
     },
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +74,12 @@ class City(BaseModel):
 
 def test_parse_returns_a_pydantic_object(client):
     r = client.chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
-        response_format=City, max_tokens=200, temperature=0,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        max_tokens=200,
+        temperature=0,
+    )
     city = r.choices[0].message.parsed
     assert isinstance(city, City), r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
@@ -102,8 +111,11 @@ def test_twenty_schemas_three_prompts_each_validate(client):
 
 
 def test_json_object_regex_choice_and_guided_fields(client):
-    r = ask(client, "Reply with a JSON object with two keys, the name and the age of a cat.",
-            response_format={"type": "json_object"})  # fmt: skip
+    r = ask(
+        client,
+        "Reply with a JSON object with two keys, the name and the age of a cat.",
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     pattern = r"[A-Z]{3}-[0-9]{4}"
     r = ask(client, "Invent a ticket code.", extra_body={"structured_outputs": {"regex": pattern}})
@@ -115,18 +127,35 @@ def test_json_object_regex_choice_and_guided_fields(client):
     r = ask(client, "Pick a colour.", extra_body={"guided_choice": ["red", "green"]})
     assert r.choices[0].message.content in {"red", "green"}
     # completions too, and n > 1 with sampling: every sample follows the grammar.
-    c = client.completions.create(model=MODEL, prompt="Ticket:", max_tokens=20, n=4, temperature=1.0, seed=5,
-                                  extra_body={"structured_outputs": {"regex": pattern}})  # fmt: skip
+    c = client.completions.create(
+        model=MODEL,
+        prompt="Ticket:",
+        max_tokens=20,
+        n=4,
+        temperature=1.0,
+        seed=5,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
     assert all(re.fullmatch(pattern, choice.text) for choice in c.choices)
     grammar = 'root ::= "(" [0-9] [0-9]? " + " [0-9] [0-9]? ")"'
-    c = client.completions.create(model=MODEL, prompt="Sum:", max_tokens=30, temperature=0,
-                                  extra_body={"structured_outputs": {"grammar": grammar}})  # fmt: skip
+    c = client.completions.create(
+        model=MODEL,
+        prompt="Sum:",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
     assert re.fullmatch(r"\([0-9]{1,2} \+ [0-9]{1,2}\)", c.choices[0].text)
 
 
 def test_required_and_named_tool_calls_have_valid_arguments(client):
-    r = ask(client, "What is the weather in Oslo?", tools=[WEATHER, TIME], tool_choice="required",
-            parallel_tool_calls=False)  # fmt: skip
+    r = ask(
+        client,
+        "What is the weather in Oslo?",
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -134,8 +163,12 @@ def test_required_and_named_tool_calls_have_valid_arguments(client):
     params = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
     jsonschema.validate(json.loads(call.function.arguments), params)
 
-    r = ask(client, "What time is it in Tokyo?", tools=[WEATHER, TIME],
-            tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    r = ask(
+        client,
+        "What time is it in Tokyo?",
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
@@ -159,8 +192,14 @@ def _streamed_calls(client, **kw) -> tuple[list[dict], str | None, str]:
 
 @pytest.mark.parametrize("mode", ["required", "auto"])
 def test_streamed_tool_call_reassembles_to_the_non_streamed_one(client, mode):
-    kw = {"messages": [{"role": "user", "content": "Weather in Lima, in celsius?"}], "max_tokens": 200,
-          "temperature": 0, "tools": [WEATHER, TIME], "tool_choice": mode, "parallel_tool_calls": False}  # fmt: skip
+    kw = {
+        "messages": [{"role": "user", "content": "Weather in Lima, in celsius?"}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "tools": [WEATHER, TIME],
+        "tool_choice": mode,
+        "parallel_tool_calls": False,
+    }
     if mode == "auto":
         # The 135M model seldom decides to call on its own; a regex makes it write a hermes call,
         # so the auto path's parser (not a grammar-forced format) is what reads it.
@@ -179,15 +218,17 @@ def test_streamed_tool_call_reassembles_to_the_non_streamed_one(client, mode):
 
 def test_two_turn_tool_conversation(client):
     messages = [{"role": "user", "content": "What is the weather in Rome? Use the tool."}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=200, temperature=0).choices[0]  # fmt: skip
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0
+    ).choices[0]
     (call,) = first.message.tool_calls
     messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
     messages.append(
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})}
     )
-    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60,
-                                            temperature=0).choices[0]  # fmt: skip
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0
+    ).choices[0]
     assert second.finish_reason in ("stop", "length")
     assert second.message.content and not second.message.tool_calls
 
@@ -201,17 +242,36 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(client):
         assert needle in error["message"], error
 
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    bad("response_format.json_schema", "uniqueItems",
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+    bad(
+        "response_format.json_schema",
+        "uniqueItems",
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
     bad("structured_outputs.regex", "regex", extra_body={"structured_outputs": {"regex": "(unclosed"}})
-    bad("structured_outputs.structural_tag", "structural_tag",
-        extra_body={"structured_outputs": {"structural_tag": "{}"}})  # fmt: skip
-    bad("structured_outputs", "response_format", response_format={"type": "json_object"},
-        extra_body={"structured_outputs": {"regex": "a"}})  # fmt: skip
-    bad("tool_choice.function.name", "nope", tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "nope"}})  # fmt: skip
-    bad("tool_choice", "response_format", tools=[WEATHER], tool_choice="required",
-        response_format={"type": "json_object"})  # fmt: skip
+    bad(
+        "structured_outputs.structural_tag",
+        "structural_tag",
+        extra_body={"structured_outputs": {"structural_tag": "{}"}},
+    )
+    bad(
+        "structured_outputs",
+        "response_format",
+        response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"regex": "a"}},
+    )
+    bad(
+        "tool_choice.function.name",
+        "nope",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "nope"}},
+    )
+    bad(
+        "tool_choice",
+        "response_format",
+        tools=[WEATHER],
+        tool_choice="required",
+        response_format={"type": "json_object"},
+    )
 
 
 def test_a_constraint_no_token_can_meet_is_a_400_not_a_500(client, server):

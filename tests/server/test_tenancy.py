@@ -17,9 +17,11 @@ KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "dave": "sk-d
 LIMITS = {"carol": {"requests_per_minute": 2}, "dave": {"tokens_per_minute": 200}}
 EOS = "2"  # the model's <|im_end|>: a huge logit bias on it ends a request at its first token
 # Long enough for several full 16-token blocks; each test uses its own, so caches start cold.
-PROMPT = ("In a quiet harbour town, the lighthouse keeper kept a notebook of every ship that passed: "
-          "its name, its flag, the hour, the weather, and whether it answered his lamp. On stormy nights "
-          "he wrote by candlelight, and in the morning he copied the pages again in a cleaner hand.")  # fmt: skip
+PROMPT = (
+    "In a quiet harbour town, the lighthouse keeper kept a notebook of every ship that passed: "
+    "its name, its flag, the hour, the weather, and whether it answered his lamp. On stormy nights "
+    "he wrote by candlelight, and in the morning he copied the pages again in a cleaner hand."
+)
 
 
 def key_args(*names: str) -> list[str]:
@@ -52,15 +54,20 @@ def client(server, name: str) -> openai.OpenAI:
 
 
 def cached(server, name: str, prompt: str, **extra) -> int:
-    r = client(server, name).completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                                extra_body=extra or None)  # fmt: skip
+    r = client(server, name).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra or None
+    )
     assert r.usage.prompt_tokens >= 48
     return r.usage.prompt_tokens_details.cached_tokens
 
 
 def complete(server, name: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", headers=bearer(name), timeout=120,
-                      json={"model": MODEL, "temperature": 0, **body})  # fmt: skip
+    return httpx.post(
+        server.url + "/v1/completions",
+        headers=bearer(name),
+        timeout=120,
+        json={"model": MODEL, "temperature": 0, **body},
+    )
 
 
 def usage(server) -> dict:
@@ -138,10 +145,16 @@ def test_live_snapshot_lists_only_own_requests(server):
     stop, seen = threading.Event(), threading.Event()
 
     def bob_streams() -> None:  # a long request, abandoned once the snapshots are taken
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 512, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        with httpx.stream("POST", server.url + "/v1/completions", headers=bearer("bob"), json=body,
-                          timeout=120) as r:  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": "Once upon a time",
+            "max_tokens": 512,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", headers=bearer("bob"), json=body, timeout=120
+        ) as r:
             for _ in r.iter_lines():
                 seen.set()
                 if stop.is_set():
@@ -227,5 +240,9 @@ def test_tokens_per_minute_reserve_then_count_what_was_used(server):
     )
     dave = usage(server)["dave"]
     assert dave["rejected_rate_limited"] == 2
-    assert dave["rate_limit"] == {"requests_per_minute": None, "tokens_per_minute": 200, "window_requests": 2,
-                                  "window_tokens": sum(used)}  # fmt: skip
+    assert dave["rate_limit"] == {
+        "requests_per_minute": None,
+        "tokens_per_minute": 200,
+        "window_requests": 2,
+        "window_tokens": sum(used),
+    }

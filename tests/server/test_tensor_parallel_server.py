@@ -45,9 +45,17 @@ def _spawned_children(pid: int) -> list[int]:
 
 def test_a_dead_worker_fails_every_request_turns_health_503_and_exits_non_zero(make_server) -> None:
     server = make_server(
-        ["--tensor-parallel-size", "2", "--distributed-timeout", str(COLLECTIVE_TIMEOUT),
-         *MAKE_RUN_FLAGS, "--no-access-log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
-    )  # fmt: skip
+        [
+            "--tensor-parallel-size",
+            "2",
+            "--distributed-timeout",
+            str(COLLECTIVE_TIMEOUT),
+            *MAKE_RUN_FLAGS,
+            "--no-access-log",
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT),
+        ]
+    )
     r = httpx.post(server.url + "/v1/completions", json=completion(PROMPT), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     (worker,) = _spawned_children(server.proc.pid)

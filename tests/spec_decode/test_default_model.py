@@ -61,8 +61,9 @@ def test_greedy_speculation_is_lossless(default_gguf, reference, spec):
         spec = {**spec, "model": str(default_gguf)}
     # Speculate on every decode: no batch limit, drafts priced at nothing (so every one pays).
     spec = {**spec, "disable_by_batch_size": 0, "row_cost": 0.0, "draft_cost": 0.0}
-    llm = LLM(str(default_gguf), dtype="float32", progress=False, kv_cache_memory="256MiB",
-              speculative_config=spec)  # fmt: skip
+    llm = LLM(
+        str(default_gguf), dtype="float32", progress=False, kv_cache_memory="256MiB", speculative_config=spec
+    )
     got = llm.generate(prompts, GREEDY)
     near_ties = 0
     for i, (r, g) in enumerate(zip(ref, got)):

@@ -165,14 +165,19 @@ def test_seeded_requests_reproduce_with_speculation(models):
 def test_no_leaks_with_preemption_and_aborts(models):
     """A cache far too small, drafts on every decode, aborts mid-flight: all blocks come back,
     in the target's pool and in the draft's."""
-    spec = _llm(models[0], {"method": "self", "draft_layers": 1, "num_speculative_tokens": 3},
-                num_blocks=40, max_num_seqs=8)  # fmt: skip
+    spec = _llm(
+        models[0],
+        {"method": "self", "draft_layers": 1, "num_speculative_tokens": 3},
+        num_blocks=40,
+        max_num_seqs=8,
+    )
     engine = spec.engine
     tok = spec.get_tokenizer()
     prompts = [tok.encode(t) for t in TRAIN_TEXT] * 3
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30 + i, temperature=0.0 if i % 2 else 0.9,
-                                                      ignore_eos=True))  # fmt: skip
+        engine.add_request(
+            f"r{i}", p, SamplingParams(max_tokens=30 + i, temperature=0.0 if i % 2 else 0.9, ignore_eos=True)
+        )
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -30,8 +30,13 @@ class Vocab:
     @classmethod
     def from_tokenizer(cls, tok: Tokenizer) -> Vocab:
         size = tok.vocab_size
-        return cls(tok, size, [tok.token_bytes(i) for i in range(size)], sorted(tok.eos_token_ids),
-                   sorted(tok.all_special_ids))  # fmt: skip
+        return cls(
+            tok,
+            size,
+            [tok.token_bytes(i) for i in range(size)],
+            sorted(tok.eos_token_ids),
+            sorted(tok.all_special_ids),
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -45,8 +50,9 @@ class Vocab:
 def xgrammar_tokenizer_info(v: Vocab) -> Any:
     import xgrammar as xgr
 
-    return xgr.TokenizerInfo(v.xgrammar_vocab(), vocab_type=xgr.VocabType.RAW, vocab_size=v.size,
-                             stop_token_ids=v.stop_ids)  # fmt: skip
+    return xgr.TokenizerInfo(
+        v.xgrammar_vocab(), vocab_type=xgr.VocabType.RAW, vocab_size=v.size, stop_token_ids=v.stop_ids
+    )
 
 
 class _LLGuidanceSource:

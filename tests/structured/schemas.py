@@ -19,10 +19,14 @@ _NAME: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": 40}
 _NULLABLE_STR: dict[str, Any] = {"type": ["string", "null"]}
 
 
-def _obj(properties: dict[str, Any], required: list[str] | None = None, closed: bool = True,
-         **extra: Any) -> dict[str, Any]:  # fmt: skip
-    schema: dict[str, Any] = {"type": "object", "properties": properties,
-                              "required": list(properties) if required is None else required}  # fmt: skip
+def _obj(
+    properties: dict[str, Any], required: list[str] | None = None, closed: bool = True, **extra: Any
+) -> dict[str, Any]:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+    }
     if closed:
         schema["additionalProperties"] = False
     return {**schema, **extra}

@@ -26,8 +26,16 @@ SHOTS = Path(__file__).resolve().parents[2] / "docs" / "ui"
 KEY = "sk-ui-test-key"
 PROMPT = "什么是 LLM 推理？"  # the seed's example
 MAX_TOKENS = 16
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 MS = re.compile(r"^\d+(\.\d+)? ms$")
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -90,8 +98,10 @@ def _play(page, timeout_ms: int = 120_000) -> None:
     page.fill("#max-tokens", str(MAX_TOKENS))
     page.click("#play")
     # Done when the engine's `finished` event and the stream's end have both been shown.
-    page.wait_for_function("document.getElementById('finish').textContent !== '–' && "
-                           "!document.getElementById('play').disabled", timeout=timeout_ms)  # fmt: skip
+    page.wait_for_function(
+        "document.getElementById('finish').textContent !== '–' && !document.getElementById('play').disabled",
+        timeout=timeout_ms,
+    )
 
 
 def test_visualizer_follows_a_real_request(server, browser):
@@ -126,9 +136,16 @@ def test_visualizer_follows_a_real_request(server, browser):
     assert 0 < num_template < len(expected)
 
     # 4. Output: the streamed text is the API's greedy answer, token latencies are shown.
-    greedy = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=120, json={
-        "messages": _messages(), "temperature": 0, "max_tokens": MAX_TOKENS,
-    }).json()["choices"][0]  # fmt: skip
+    greedy = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=server.headers,
+        timeout=120,
+        json={
+            "messages": _messages(),
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        },
+    ).json()["choices"][0]
     assert _shown_text(page) == greedy["message"]["content"]
     assert page.inner_text("#finish") == greedy["finish_reason"]
     assert MS.match(page.inner_text("#ttft")), page.inner_text("#ttft")
@@ -200,16 +217,25 @@ def test_event_endpoints(server):
     assert opened.wait(30)
     body = {"prompt": "The tides are", "max_tokens": 3, "temperature": 0}
     answer = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json=body).json()
-    with httpx.stream("GET", server.url + "/v1/fornax/events", params={"request_id": answer["id"]},
-                      headers=server.headers, timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "GET",
+        server.url + "/v1/fornax/events",
+        params={"request_id": answer["id"]},
+        headers=server.headers,
+        timeout=60,
+    ) as r:
         events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
     done.set()
     types = [e["type"] for e in events]
     assert types[:3] == ["queued", "scheduled", "blocks"] and types[-1] == "finished", types
     assert types.count("token") == 3 and "prefill_chunk" in types
     # Wake the watcher (it returns at its next line) so the server ends idle.
-    httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
-               json={"prompt": "Hi", "max_tokens": 1})  # fmt: skip
+    httpx.post(
+        server.url + "/v1/completions",
+        headers=server.headers,
+        timeout=60,
+        json={"prompt": "Hi", "max_tokens": 1},
+    )
     watcher.join(timeout=30)
 
 
@@ -225,9 +251,24 @@ def router(server, tmp_path):
 
     port, dead = free_port(), free_port()
     replicas = [server.url, server.url.replace("127.0.0.1", "localhost"), f"http://127.0.0.1:{dead}"]
-    cmd = [sys.executable, "-m", "fornax.router", "--host", "127.0.0.1", "--port", str(port),
-           "--policy", "round-robin", "--admin-key", KEY, "--replica-poll-key", KEY,
-           "--poll-interval", "0.5", "--no-access-log"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fornax.router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round-robin",
+        "--admin-key",
+        KEY,
+        "--replica-poll-key",
+        KEY,
+        "--poll-interval",
+        "0.5",
+        "--no-access-log",
+    ]
     for url in replicas:
         cmd += ["--replica", url]
     log = (tmp_path / "router.log").open("w")
@@ -272,8 +313,13 @@ def test_visualizer_through_a_router(server, browser, router):
     # The replica list, polled from /router/replicas: both names of the server in rotation, one out.
     page.wait_for_function("document.querySelectorAll('#router-replicas tr').length === 3")
     page.wait_for_function("!document.querySelector('#router-replicas tr[data-state=\"not ready\"]')")
-    states = dict(zip(_attrs(page, "#router-replicas tr", "e.dataset.url"),
-                      _attrs(page, "#router-replicas tr", "e.dataset.state"), strict=True))  # fmt: skip
+    states = dict(
+        zip(
+            _attrs(page, "#router-replicas tr", "e.dataset.url"),
+            _attrs(page, "#router-replicas tr", "e.dataset.state"),
+            strict=True,
+        )
+    )
     assert states == {mine: "in rotation", other: "in rotation", dead: "out"}
     assert "round-robin" in page.inner_text("#router-note")
 
@@ -286,8 +332,9 @@ def test_visualizer_through_a_router(server, browser, router):
     assert page.locator("#output-tokens .chip").count() >= 1 and page.locator("#blocks .block").count() >= 1
     assert _attrs(page, "#router-replicas tr.me", "e.dataset.url") == [mine]
     # The list keeps being polled: the router's in-flight count on this replica drops back to 0.
-    page.wait_for_function("document.querySelector('#router-replicas tr.me td:nth-child(3)')"
-                           ".textContent === '0'")  # fmt: skip
+    page.wait_for_function(
+        "document.querySelector('#router-replicas tr.me td:nth-child(3)').textContent === '0'"
+    )
     page.locator("#live").screenshot(path=str(SHOTS / "router.png"))
 
     # 2nd request: another replica (as far as the page can tell) runs it. The text still streams
@@ -306,19 +353,32 @@ def test_visualizer_through_a_router(server, browser, router):
 
     # CORS is for the replicas' pages only: any other site's page gets nothing to read.
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
-    foreign = httpx.options(router_url + "/v1/chat/completions", timeout=10,
-                            headers={"Origin": "http://elsewhere.example", **preflight})  # fmt: skip
+    foreign = httpx.options(
+        router_url + "/v1/chat/completions",
+        timeout=10,
+        headers={"Origin": "http://elsewhere.example", **preflight},
+    )
     assert "access-control-allow-origin" not in foreign.headers
-    allowed = httpx.options(router_url + "/router/replicas", timeout=10,
-                            headers={"Origin": mine, **preflight})  # fmt: skip
+    allowed = httpx.options(
+        router_url + "/router/replicas", timeout=10, headers={"Origin": mine, **preflight}
+    )
     assert allowed.status_code == 204 and allowed.headers["access-control-allow-origin"] == mine
 
 
 def test_visualizer_picks_the_model(make_server, browser, gemma3_gguf):
     """A server with two models: the page lists both, and the one picked answers (Gemma 3, the
     seed's Chinese prompt; screenshot docs/ui/gemma3.png)."""
-    server = make_server(["--model", "smollm2-135m-instruct", "--model", "gemma3-270m", "--max-model-len", "2048",
-                          "--no-access-log"])  # fmt: skip
+    server = make_server(
+        [
+            "--model",
+            "smollm2-135m-instruct",
+            "--model",
+            "gemma3-270m",
+            "--max-model-len",
+            "2048",
+            "--no-access-log",
+        ]
+    )
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(server.url + "/ui/")
     page.wait_for_function("document.getElementById('model').options.length === 2")
@@ -328,11 +388,20 @@ def test_visualizer_picks_the_model(make_server, browser, gemma3_gguf):
     page.fill("#prompt", PROMPT)
     page.fill("#temperature", "0")
     page.click("#play")
-    page.wait_for_function("document.getElementById('finish').textContent !== '–' && "
-                           "!document.getElementById('play').disabled", timeout=120_000)  # fmt: skip
-    reference = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-        "model": "gemma3-270m", "messages": _messages(), "temperature": 0, "max_tokens": 48,
-    }).json()["choices"][0]["message"]["content"]  # fmt: skip
+    page.wait_for_function(
+        "document.getElementById('finish').textContent !== '–' && !document.getElementById('play').disabled",
+        timeout=120_000,
+    )
+    reference = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "gemma3-270m",
+            "messages": _messages(),
+            "temperature": 0,
+            "max_tokens": 48,
+        },
+    ).json()["choices"][0]["message"]["content"]
     assert _shown_text(page) == reference and reference
     # the prompt's tokens are Gemma's (its chat template's turn markers among them)
     chips = _attrs(page, "#token-chips .chip", "e.dataset.id")

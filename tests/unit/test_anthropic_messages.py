@@ -27,19 +27,28 @@ def test_conversation_with_tools_translates_to_chat() -> None:
         system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
         messages=[
             {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "hmm", "signature": "x"},
-                {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-            ]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "down", "is_error": True},
-                {"type": "text", "text": "And now?"},
-            ]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "down", "is_error": True},
+                    {"type": "text", "text": "And now?"},
+                ],
+            },
         ],
-        tools=[TOOL], tool_choice={"type": "any", "disable_parallel_tool_use": True},
-        thinking={"type": "disabled"}, stop_sequences=["END"], top_k=5,
-    )  # fmt: skip
+        tools=[TOOL],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        thinking={"type": "disabled"},
+        stop_sequences=["END"],
+        top_k=5,
+    )
     chat = to_chat_request(req)
     turns = [m.model_dump(exclude_none=True) for m in chat.messages]
     assert turns[0] == {"role": "system", "content": "Be brief.\nBe kind."}
@@ -58,11 +67,14 @@ def test_conversation_with_tools_translates_to_chat() -> None:
 
 
 def test_named_tool_prefill_and_output_format() -> None:
-    chat = to_chat_request(request(
-        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}],
-        tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"},
-        output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
-    ))  # fmt: skip
+    chat = to_chat_request(
+        request(
+            messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}],
+            tools=[TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        )
+    )
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert chat.continue_final_message and not chat.add_generation_prompt
     assert chat.structured_outputs == {"json": {"type": "object"}}
@@ -75,19 +87,35 @@ def test_named_tool_prefill_and_output_format() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
-         "messages.0.content.0.type"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "s"}]},
-         "tools.0.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search_20250305", "name": "s"}],
+            },
+            "tools.0.type",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system.0.type"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "assistant", "content": " "}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"url": "u"}]}, "mcp_servers"),
-        ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {"type": "json_schema",
-          "schema": {}}}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "output_config": {"format": {"type": "json_schema", "schema": {}}},
+                "structured_outputs": {"regex": "a"},
+            },
+            "structured_outputs",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_input_is_a_400_naming_the_field(body: dict, param: str) -> None:
     with pytest.raises(ApiError) as err:
         to_chat_request(request(**body))
@@ -113,8 +141,15 @@ def run_blocks(pieces: list[Piece]) -> tuple[list[dict], dict]:
 
 def test_blocks_keep_the_order_and_skip_blank_text() -> None:
     call = [ToolCallDelta(0, id="call_abc", name="f", arguments='{"a": '), ToolCallDelta(0, arguments="1}")]
-    pieces = [Piece(reasoning="\n"), Piece(reasoning="think"), Piece(content="\n"), Piece(content="Hi"),
-              Piece(calls=call), Piece(content="\n\n"), Piece(content="bye")]  # fmt: skip
+    pieces = [
+        Piece(reasoning="\n"),
+        Piece(reasoning="think"),
+        Piece(content="\n"),
+        Piece(content="Hi"),
+        Piece(calls=call),
+        Piece(content="\n\n"),
+        Piece(content="bye"),
+    ]
     events, message = run_blocks(pieces)
     starts = [e["index"] for e in events if e["type"] == "content_block_start"]
     stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
@@ -132,8 +167,10 @@ def test_blocks_keep_the_order_and_skip_blank_text() -> None:
 
 def test_error_envelope_is_chosen_by_path() -> None:
     err = ApiError(413, "too big")
-    assert err.envelope("/v1/messages") == {"type": "error", "error": {"type": "request_too_large",
-                                                                       "message": "too big"}}  # fmt: skip
+    assert err.envelope("/v1/messages") == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": "too big"},
+    }
     assert ApiError(503, "x").envelope("/v1/messages/count_tokens")["error"]["type"] == "overloaded_error"
     assert ApiError(418, "x").envelope("/v1/messages")["error"]["type"] == "invalid_request_error"
     assert err.envelope("/v1/messagesx")["error"]["type"] == "invalid_request_error"  # OpenAI's envelope
@@ -152,5 +189,7 @@ def test_one_piece_holding_a_call_end_text_and_a_new_call_keeps_text_order() -> 
     rest = [ToolCallDelta(0, arguments="1}"), ToolCallDelta(1, id="call_b", name="g", arguments="{}")]
     _, message = run_blocks([Piece(calls=[first]), Piece(content=" between ", calls=rest)])
     assert [(b["type"], b.get("input", b.get("text"))) for b in message["content"]] == [
-        ("tool_use", {"a": 1}), ("text", " between "), ("tool_use", {})
-    ]  # fmt: skip
+        ("tool_use", {"a": 1}),
+        ("text", " between "),
+        ("tool_use", {}),
+    ]

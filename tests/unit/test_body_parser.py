@@ -26,7 +26,7 @@ from fornax.server.protocol import (
     DetokenizeRequest,
     StreamOptions,
     TokenizeRequest,
-)  # fmt: skip
+)
 
 INLINE = 1 << 40  # every body parses in a thread
 WORKER = 0  # every body goes to the worker process
@@ -66,10 +66,18 @@ def body(**fields: Any) -> bytes:
     return json.dumps(fields).encode()
 
 
-CHAT = body(messages=[{"role": "system", "content": "be brief"},
-                      {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"}],
-            stream=True, stream_options={"include_usage": True}, stop=["\n", "END"], logit_bias={"5": 1.5},
-            unknown_field={"ignored": [1, 2]}, max_completion_tokens=7)  # fmt: skip
+CHAT = body(
+    messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+    ],
+    stream=True,
+    stream_options={"include_usage": True},
+    stop=["\n", "END"],
+    logit_bias={"5": 1.5},
+    unknown_field={"ignored": [1, 2]},
+    max_completion_tokens=7,
+)
 
 VALID = {
     "chat": (CHAT, ChatCompletionRequest),

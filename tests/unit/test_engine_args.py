@@ -104,35 +104,103 @@ def test_a_command_without_flags_runs_the_default_engine(name: str) -> None:
 # needs bfloat16 on the native kernels), as flags and the EngineConfig built by hand.
 ROUND_TRIPS = [
     (
-        ["--model", "some-model", "--quantization", "int4", "--small-step-max-rows", "3",
-         "--large-step-quantization", "w8a8", "--large-step-min-rows", "8", "--lm-head-quantization", "int4",
-         "--num-threads", "2", "--kv-cache-memory", "512MiB", "--kv-cache-dtype", "int8",
-         "--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--max-model-len", "1024",
-         "--scheduling-policy", "priority", "--long-prefill-token-threshold", "64", "--block-size", "32",
-         "--pooling", "mean",
-         "--no-prefix-caching", "--kv-offload-memory", "1GiB", "--kv-offload-dir", "/tmp/kv",
-         "--kv-offload-disk", "2GiB", "--kv-offload-dtype", "int8", "--preemption-mode", "recompute",
-         "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}', "--num-speculative-tokens", "2"],
+        [
+            "--model",
+            "some-model",
+            "--quantization",
+            "int4",
+            "--small-step-max-rows",
+            "3",
+            "--large-step-quantization",
+            "w8a8",
+            "--large-step-min-rows",
+            "8",
+            "--lm-head-quantization",
+            "int4",
+            "--num-threads",
+            "2",
+            "--kv-cache-memory",
+            "512MiB",
+            "--kv-cache-dtype",
+            "int8",
+            "--max-num-seqs",
+            "7",
+            "--max-num-batched-tokens",
+            "300",
+            "--max-model-len",
+            "1024",
+            "--scheduling-policy",
+            "priority",
+            "--long-prefill-token-threshold",
+            "64",
+            "--block-size",
+            "32",
+            "--pooling",
+            "mean",
+            "--no-prefix-caching",
+            "--kv-offload-memory",
+            "1GiB",
+            "--kv-offload-dir",
+            "/tmp/kv",
+            "--kv-offload-disk",
+            "2GiB",
+            "--kv-offload-dtype",
+            "int8",
+            "--preemption-mode",
+            "recompute",
+            "--speculative-config",
+            '{"method": "ngram", "prompt_lookup_max": 3}',
+            "--num-speculative-tokens",
+            "2",
+        ],
         EngineConfig(
-            model="some-model", quantization="int4", small_step_max_rows=3, large_step_quantization="w8a8",
-            large_step_min_rows=8, lm_head_quantization="int4", num_threads=2,
-            cache=CacheConfig(block_size=32, kv_cache_memory=512 << 20, enable_prefix_caching=False,
-                              kv_cache_dtype="int8"),
-            scheduler=SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=300, max_model_len=1024,
-                                      policy="priority", long_prefill_token_threshold=64),
+            model="some-model",
+            quantization="int4",
+            small_step_max_rows=3,
+            large_step_quantization="w8a8",
+            large_step_min_rows=8,
+            lm_head_quantization="int4",
+            num_threads=2,
+            cache=CacheConfig(
+                block_size=32, kv_cache_memory=512 << 20, enable_prefix_caching=False, kv_cache_dtype="int8"
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=7,
+                max_num_batched_tokens=300,
+                max_model_len=1024,
+                policy="priority",
+                long_prefill_token_threshold=64,
+            ),
             speculative=SpeculativeConfig(method="ngram", prompt_lookup_max=3, num_speculative_tokens=2),
-            offload=OffloadConfig(host_memory=1 << 30, disk_dir="/tmp/kv", disk_bytes=2 << 30, dtype="int8",
-                                  preemption_mode="recompute"),
+            offload=OffloadConfig(
+                host_memory=1 << 30,
+                disk_dir="/tmp/kv",
+                disk_bytes=2 << 30,
+                dtype="int8",
+                preemption_mode="recompute",
+            ),
             pooling="mean",
         ),
     ),
     (
-        ["--dtype", "float16", "--kernel-backend", "torch", "--num-blocks", "99",
-         "--speculative-model", "draft-model"],
-        EngineConfig(dtype="float16", kernel_backend="torch", cache=CacheConfig(num_blocks=99),
-                     speculative=SpeculativeConfig(method="draft", model="draft-model")),
+        [
+            "--dtype",
+            "float16",
+            "--kernel-backend",
+            "torch",
+            "--num-blocks",
+            "99",
+            "--speculative-model",
+            "draft-model",
+        ],
+        EngineConfig(
+            dtype="float16",
+            kernel_backend="torch",
+            cache=CacheConfig(num_blocks=99),
+            speculative=SpeculativeConfig(method="draft", model="draft-model"),
+        ),
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("flags", "expected"), ROUND_TRIPS)
@@ -146,15 +214,17 @@ def test_flags_to_engine_args_to_engine_config(flags: list[str], expected: Engin
     serve = build_parser().parse_args(["serve", "--seed", "9", *flags])
     serve_args = EngineArgs.from_cli_args(serve, model=serve_models(serve)[0])
     if "--max-num-batched-tokens" not in flags:
-        expected = replace(expected,
-                           scheduler=replace(expected.scheduler,
-                                             max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS))  # fmt: skip
+        expected = replace(
+            expected,
+            scheduler=replace(expected.scheduler, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS),
+        )
     assert serve_args.create_engine_config() == replace(expected, seed=9)
 
 
 @pytest.mark.parametrize(("flags", "expected"), ROUND_TRIPS)
-def test_llm_keywords_build_the_same_engine_config(monkeypatch: pytest.MonkeyPatch, flags: list[str],
-                                                   expected: EngineConfig) -> None:  # fmt: skip
+def test_llm_keywords_build_the_same_engine_config(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], expected: EngineConfig
+) -> None:
     import fornax.llm
 
     built: list[EngineConfig] = []
@@ -183,11 +253,22 @@ def test_the_speculative_shorthands_need_a_method() -> None:
 def test_cluster_replicas_get_the_engine_flags_given() -> None:
     """`cluster up` hands the engine flags given on to each replica's `fornax serve`, which
     then builds the engine the flags describe (--no-prefix-caching stores False)."""
-    flags = ["--no-prefix-caching", "--long-prefill-token-threshold", "64", "--kv-offload-memory", "1GiB",
-             "--max-num-batched-tokens", "2048"]  # fmt: skip
+    flags = [
+        "--no-prefix-caching",
+        "--long-prefill-token-threshold",
+        "64",
+        "--kv-offload-memory",
+        "1GiB",
+        "--max-num-batched-tokens",
+        "2048",
+    ]
     config = cluster_config(build_parser().parse_args(["cluster", "up", "m", *flags]))
-    assert set(config.replica.serve_args) == {"--no-prefix-caching", "--long-prefill-token-threshold=64",
-                                              "--kv-offload-memory=1GiB", "--max-num-batched-tokens=2048"}  # fmt: skip
+    assert set(config.replica.serve_args) == {
+        "--no-prefix-caching",
+        "--long-prefill-token-threshold=64",
+        "--kv-offload-memory=1GiB",
+        "--max-num-batched-tokens=2048",
+    }
     replica = build_parser().parse_args(["serve", "m", *config.replica.serve_args])
     direct = build_parser().parse_args(["serve", "m", *flags])
     assert EngineArgs.from_cli_args(replica, model="m") == EngineArgs.from_cli_args(direct, model="m")
@@ -221,10 +302,16 @@ def test_engine_flags_are_declared_only_in_engine_args() -> None:
                 names = {
                     a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
                 }
-                found += [f"{where}:{node.lineno}: {s}" for s in sorted(names & spellings)
-                          if (where, s) not in NOT_ENGINE_FLAGS]  # fmt: skip
+                found += [
+                    f"{where}:{node.lineno}: {s}"
+                    for s in sorted(names & spellings)
+                    if (where, s) not in NOT_ENGINE_FLAGS
+                ]
     assert found == []
-    init = next(n for n in ast.walk(ast.parse((ROOT / "fornax/llm.py").read_text()))
-                if isinstance(n, ast.FunctionDef) and n.name == "__init__")  # fmt: skip
+    init = next(
+        n
+        for n in ast.walk(ast.parse((ROOT / "fornax/llm.py").read_text()))
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
     named = {a.arg for a in init.args.args + init.args.kwonlyargs} & EngineArgs.names()
     assert named == {"model", "dtype"}

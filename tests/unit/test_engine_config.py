@@ -68,8 +68,16 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_command_line():
         build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
     # int8 rows with a float32 scale per head row: (64 + 4) bytes against 2 * 64 for bf16,
     # so the same memory budget holds ~1.9x the blocks
-    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                      num_hidden_layers=30, intermediate_size=1536, vocab_size=49152, head_dim=64)  # fmt: skip
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        vocab_size=49152,
+        head_dim=64,
+    )
     bf16 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16)
     int8 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, "int8")
     assert bf16 == 2 * 3 * 64 * 2 * 16 * 30 and int8 == 2 * 3 * (64 + 4) * 16 * 30

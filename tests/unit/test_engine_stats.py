@@ -17,8 +17,15 @@ NUM_BLOCKS, BLOCK_SIZE, CHUNK = 64, 16, 16
 def core(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-llama-stats")
     build_tiny_model("llama", out)
-    llm = LLM(str(out), dtype="float32", enable_prefix_caching=True, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-              max_num_batched_tokens=CHUNK, progress=False)  # fmt: skip
+    llm = LLM(
+        str(out),
+        dtype="float32",
+        enable_prefix_caching=True,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=CHUNK,
+        progress=False,
+    )
     return llm.engine
 
 

@@ -42,17 +42,40 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "fornax.quality": ("fornax.engine",),
     "fornax.request_output": ("fornax.engine", "fornax.tools"),
     "fornax.metrics": ("fornax.engine", "fornax.config"),
-    "fornax.llm": ("fornax.request_output", "fornax.engine_args", "fornax.engine", "fornax.tools", "fornax.tokenizer",
-                   "fornax.config"),
+    "fornax.llm": (
+        "fornax.request_output",
+        "fornax.engine_args",
+        "fornax.engine",
+        "fornax.tools",
+        "fornax.tokenizer",
+        "fornax.config",
+    ),
     "fornax": ("fornax.llm", "fornax.request_output", "fornax.engine"),  # the package's lazy re-exports
-    "fornax.server": ("fornax", "fornax.metrics", "fornax.engine", "fornax.tools", "fornax.layers",
-                      "fornax.tokenizer", "fornax.config"),
+    "fornax.server": (
+        "fornax",
+        "fornax.metrics",
+        "fornax.engine",
+        "fornax.tools",
+        "fornax.layers",
+        "fornax.tokenizer",
+        "fornax.config",
+    ),
     "fornax.router": ("fornax", "fornax.server", "fornax.config"),
     "fornax.cluster": ("fornax.router", "fornax.server_args", "fornax.engine_args", "fornax.config"),
-    "fornax.cli": ("fornax.cluster", "fornax.router", "fornax.server", "fornax.bench", "fornax.llm",
-                   "fornax.server_args", "fornax.engine_args", "fornax.engine", "fornax.models", "fornax.layers",
-                   "fornax.config"),
-}  # fmt: skip
+    "fornax.cli": (
+        "fornax.cluster",
+        "fornax.router",
+        "fornax.server",
+        "fornax.bench",
+        "fornax.llm",
+        "fornax.server_args",
+        "fornax.engine_args",
+        "fornax.engine",
+        "fornax.models",
+        "fornax.layers",
+        "fornax.config",
+    ),
+}
 # A process's main: it runs the CLI, so it stands above every unit whatever package holds it
 # (`python -m fornax.router`, the cluster's replica process).
 ENTRY_POINTS = {
@@ -199,10 +222,19 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | N
     return None
 
 
-@pytest.mark.parametrize("module", ["fornax.engine.event_tap", "fornax.engine.events", "fornax.engine.stats",
-                                    "fornax.engine.memory_report", "fornax.engine.spec_decode.controller",
-                                    "fornax.engine.spec_decode.draft_model", "fornax.engine.spec_decode.self_draft",
-                                    "fornax.engine.spec_decode.ngram"])  # fmt: skip
+@pytest.mark.parametrize(
+    "module",
+    [
+        "fornax.engine.event_tap",
+        "fornax.engine.events",
+        "fornax.engine.stats",
+        "fornax.engine.memory_report",
+        "fornax.engine.spec_decode.controller",
+        "fornax.engine.spec_decode.draft_model",
+        "fornax.engine.spec_decode.self_draft",
+        "fornax.engine.spec_decode.ngram",
+    ],
+)
 def test_what_the_core_hands_its_state_to_never_imports_the_core(module):
     """The event tap reads the core through a narrow view (event_tap.EngineView), the memory
     breakdown is given the runner, the proposers are asked for drafts by the controller the
@@ -297,8 +329,11 @@ def test_the_internals_scan_finds_reads_and_spares_other_objects():
         "    node.children, config.scheduler, core.stats(), core._pending\n"
     )
     assert core_internal_reads(source) == [
-        (2, "c.scheduler"), (4, "x.seqs"), (5, "engine.core.last_step"), (6, "core._pending"),
-    ]  # fmt: skip
+        (2, "c.scheduler"),
+        (4, "x.seqs"),
+        (5, "engine.core.last_step"),
+        (6, "core._pending"),
+    ]
 
 
 # Back-imports the tree once had or invites, each written into a module of the importing unit:

@@ -39,8 +39,13 @@ def test_requests_per_minute_slide_with_the_window() -> None:
     assert refused(lim, "alice", "a3", 10).retry_after_s == 1
     clock.now += 0.5  # t = 60: a1 has left
     lim.acquire("alice", "a3", 10)
-    assert lim.usage("alice") == {"requests_per_minute": 2, "tokens_per_minute": None, "window_requests": 2,
-                                  "window_tokens": 20, "rejected_rate_limited": 2}  # fmt: skip
+    assert lim.usage("alice") == {
+        "requests_per_minute": 2,
+        "tokens_per_minute": None,
+        "window_requests": 2,
+        "window_tokens": 20,
+        "rejected_rate_limited": 2,
+    }
 
 
 def test_tokens_per_minute_wait_for_enough_tokens_to_leave() -> None:

@@ -18,10 +18,21 @@ from fornax.tools.reasoning import (
 
 # (format, opened by the prompt, generated text, expected reasoning, expected answer)
 CASES = [
-    ("qwen3", False, "<think>\nLet me add: 2+2=4.\n</think>\n\nThe answer is 4.", "Let me add: 2+2=4.\n",
-     "The answer is 4."),
+    (
+        "qwen3",
+        False,
+        "<think>\nLet me add: 2+2=4.\n</think>\n\nThe answer is 4.",
+        "Let me add: 2+2=4.\n",
+        "The answer is 4.",
+    ),
     ("qwen3", False, "  <think>short</think>done", "short", "done"),
-    ("qwen3", False, "No thinking here, <think> is just text.", "", "No thinking here, <think> is just text."),
+    (
+        "qwen3",
+        False,
+        "No thinking here, <think> is just text.",
+        "",
+        "No thinking here, <think> is just text.",
+    ),
     ("qwen3", False, "<thin", "", "<thin"),  # a tag that never completes is answer text
     ("qwen3", False, "<think>cut off while thinking", "cut off while thinking", ""),
     ("qwen3", False, "", "", ""),
@@ -29,12 +40,17 @@ CASES = [
     ("qwen3", False, "<think></think>empty", "", "empty"),
     ("qwen3", False, "<think>a</think>b</think>c", "a", "b</think>c"),  # one span: later tags are text
     ("qwen3", False, "<think>x <th </thi </think>y", "x <th </thi ", "y"),
-    ("deepseek_r1", False, "Reasoning without the tag.</think>The answer.", "Reasoning without the tag.",
-     "The answer."),
+    (
+        "deepseek_r1",
+        False,
+        "Reasoning without the tag.</think>The answer.",
+        "Reasoning without the tag.",
+        "The answer.",
+    ),
     ("deepseek_r1", False, "<think>\nwith the tag</think>\nok", "with the tag", "ok"),  # repeated tag dropped
     ("deepseek_r1", False, "never closed", "never closed", ""),
     ("deepseek_r1", True, "\n\nstep one</think>\n\nüñí ok", "step one", "üñí ok"),
-]  # fmt: skip
+]
 
 
 def _parser(name: str, opened: bool) -> ReasoningParser:
@@ -81,8 +97,10 @@ def test_the_template_picks_the_format() -> None:
     assert default_reasoning_parser("{{ messages }}") is None
     qwen3 = "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
     assert default_reasoning_parser(qwen3) == "qwen3"
-    assert default_reasoning_parser("{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}</think>") \
-        == "deepseek_r1"  # fmt: skip
+    assert (
+        default_reasoning_parser("{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}</think>")
+        == "deepseek_r1"
+    )
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         reasoning_format("nope")
     assert set(REASONING_FORMATS) == {"qwen3", "deepseek_r1"}

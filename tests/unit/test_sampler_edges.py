@@ -16,8 +16,9 @@ from fornax.engine.sample.sampler import Sampler
 VOCAB = 1000
 
 
-def sample(params: SamplingParams, logits: torch.Tensor, output: list[int] | None = None,
-           seed: int | None = None) -> int:  # fmt: skip
+def sample(
+    params: SamplingParams, logits: torch.Tensor, output: list[int] | None = None, seed: int | None = None
+) -> int:
     request = Request("r", [1, 2, 3], params, eos_token_ids={0})
     for token in output or []:
         request.append_output_token(token)

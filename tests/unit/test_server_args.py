@@ -48,9 +48,14 @@ def test_every_server_config_field_has_a_setting() -> None:
     """A ServerConfig field added without a flag fails here, unless NOT_FLAGS says why."""
     config = {f.name for f in fields(ServerConfig)} - NOT_FLAGS
     # the flags' names where they differ from the config's (a unit suffix, a plural)
-    renamed = {"model_load_timeout_s": "model_load_timeout", "shutdown_timeout_s": "shutdown_timeout",
-               "api_keys": "api_key", "admin_keys": "admin_key", "privileged_keys": "privileged_key",
-               "rate_limits": "key_limits"}  # fmt: skip
+    renamed = {
+        "model_load_timeout_s": "model_load_timeout",
+        "shutdown_timeout_s": "shutdown_timeout",
+        "api_keys": "api_key",
+        "admin_keys": "admin_key",
+        "privileged_keys": "privileged_key",
+        "rate_limits": "key_limits",
+    }
     assert {renamed.get(n, n) for n in config} <= {f.name for f in fields(ServerArgs)}
 
 
@@ -60,32 +65,108 @@ def _every_server_flag(tmp_path) -> tuple[list[str], ServerConfig]:
     keys.write_text("carol:-starts-with-a-dash\n")
     admins.write_text("root:sk-root\n")
     limits.write_text(json.dumps({"alice": {"requests_per_minute": 5}}))
-    flags = ["--host", "0.0.0.0", "--port", "9001", "--served-model-name", "a", "--served-model-name", "b",
-             "--max-loaded-models", "2", "--model-load-timeout", "12.5", "--api-key", "alice:sk-a",
-             "--api-key-file", str(keys), "--admin-key", "ops:sk-ops", "--admin-key-file", str(admins),
-             "--prefix-cache-scope", "global",
-             "--key-limits", str(limits), "--rate-limit-rpm", "7", "--rate-limit-tpm", "900",
-             "--public-metrics", "--no-access-log", "--log-level", "debug", "--shutdown-timeout", "3",
-             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-stored-responses", "10",
-             "--max-queued-requests", "5",
-             "--max-body-bytes", "1000",
-             "--max-n", "2", "--max-tokens-limit", "64", "--max-stop-strings", "3",
-             "--max-stop-string-chars", "9", "--max-logit-bias", "4", "--max-top-logprobs", "5",
-             "--max-messages", "6", "--max-prompts", "7", "--max-queued-sequences", "8",
-             "--max-request-tokens", "99", "--privileged-key", "alice"]  # fmt: skip
+    flags = [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--served-model-name",
+        "a",
+        "--served-model-name",
+        "b",
+        "--max-loaded-models",
+        "2",
+        "--model-load-timeout",
+        "12.5",
+        "--api-key",
+        "alice:sk-a",
+        "--api-key-file",
+        str(keys),
+        "--admin-key",
+        "ops:sk-ops",
+        "--admin-key-file",
+        str(admins),
+        "--prefix-cache-scope",
+        "global",
+        "--key-limits",
+        str(limits),
+        "--rate-limit-rpm",
+        "7",
+        "--rate-limit-tpm",
+        "900",
+        "--public-metrics",
+        "--no-access-log",
+        "--log-level",
+        "debug",
+        "--shutdown-timeout",
+        "3",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--max-stored-responses",
+        "10",
+        "--max-queued-requests",
+        "5",
+        "--max-body-bytes",
+        "1000",
+        "--max-n",
+        "2",
+        "--max-tokens-limit",
+        "64",
+        "--max-stop-strings",
+        "3",
+        "--max-stop-string-chars",
+        "9",
+        "--max-logit-bias",
+        "4",
+        "--max-top-logprobs",
+        "5",
+        "--max-messages",
+        "6",
+        "--max-prompts",
+        "7",
+        "--max-queued-sequences",
+        "8",
+        "--max-request-tokens",
+        "99",
+        "--privileged-key",
+        "alice",
+    ]
     expected = ServerConfig(
-        host="0.0.0.0", port=9001, served_model_names=("a", "b"), max_loaded_models=2, model_load_timeout_s=12.5,
+        host="0.0.0.0",
+        port=9001,
+        served_model_names=("a", "b"),
+        max_loaded_models=2,
+        model_load_timeout_s=12.5,
         api_keys=(("alice", "sk-a"), ("carol", "-starts-with-a-dash")),
         admin_keys=(("ops", "sk-ops"), ("root", "sk-root")),
         prefix_cache_scope="global",
-        rate_limits=(("*", RateLimit(requests_per_minute=7, tokens_per_minute=900)),
-                     ("alice", RateLimit(requests_per_minute=5, tokens_per_minute=900))),
-        public_metrics=True, access_log=False, log_level="debug", shutdown_timeout_s=3.0,
-        tool_call_parser="hermes", reasoning_parser="qwen3", max_queued_requests=5, max_body_bytes=1000, max_n=2,
-        max_tokens_limit=64, max_stored_responses=10,
-        max_stop_strings=3, max_stop_string_chars=9, max_logit_bias=4, max_top_logprobs=5, max_messages=6,
-        max_prompts=7, max_queued_sequences=8, max_request_tokens=99, privileged_keys=("alice",),
-    )  # fmt: skip
+        rate_limits=(
+            ("*", RateLimit(requests_per_minute=7, tokens_per_minute=900)),
+            ("alice", RateLimit(requests_per_minute=5, tokens_per_minute=900)),
+        ),
+        public_metrics=True,
+        access_log=False,
+        log_level="debug",
+        shutdown_timeout_s=3.0,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        max_queued_requests=5,
+        max_body_bytes=1000,
+        max_n=2,
+        max_tokens_limit=64,
+        max_stored_responses=10,
+        max_stop_strings=3,
+        max_stop_string_chars=9,
+        max_logit_bias=4,
+        max_top_logprobs=5,
+        max_messages=6,
+        max_prompts=7,
+        max_queued_sequences=8,
+        max_request_tokens=99,
+        privileged_keys=("alice",),
+    )
     return flags, expected
 
 
@@ -98,8 +179,16 @@ def test_flags_to_server_config(tmp_path) -> None:
 
 def test_the_rendered_command_line_reads_back_to_the_same_settings(tmp_path) -> None:
     flags, _ = _every_server_flag(tmp_path)
-    engine_flags = ["--max-model-len", "512", "--no-prefix-caching", "--kv-cache-memory", "64MiB",
-                    "--speculative-config", '{"method": "ngram"}', "--deterministic"]  # fmt: skip
+    engine_flags = [
+        "--max-model-len",
+        "512",
+        "--no-prefix-caching",
+        "--kv-cache-memory",
+        "64MiB",
+        "--speculative-config",
+        '{"method": "ngram"}',
+        "--deterministic",
+    ]
     given = build_parser().parse_args(["serve", "m", *flags, *engine_flags])
     server, engine = ServerArgs.from_cli_args(given), EngineArgs.from_cli_args(given, model="m")
     argv = server.as_argv() + engine.as_argv("serve", exclude=("model",))
@@ -142,8 +231,10 @@ def test_the_cli_tells_a_users_mistake_in_one_line_and_keeps_a_bugs_traceback(mo
                 fornax.cli.main(["pull"])
         else:
             assert fornax.cli.main(["pull"]) == 1
-            assert capsys.readouterr().err == "fornax: error: the prompt has 9000 tokens, but the maximum " \
-                                              "context length is 8192 tokens\n"  # fmt: skip
+            assert (
+                capsys.readouterr().err == "fornax: error: the prompt has 9000 tokens, but the maximum "
+                "context length is 8192 tokens\n"
+            )
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])

@@ -81,8 +81,15 @@ def test_config_rejects_a_name_or_secret_in_both_roles_and_resolves_the_scope() 
 
 def test_key_limits_file_defaults_and_flags(tmp_path) -> None:
     path = tmp_path / "limits.json"
-    path.write_text(json.dumps({"alice": {"requests_per_minute": 5}, "ops": {"tokens_per_minute": None},
-                                "*": {"requests_per_minute": 60, "tokens_per_minute": 1000}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "alice": {"requests_per_minute": 5},
+                "ops": {"tokens_per_minute": None},
+                "*": {"requests_per_minute": 60, "tokens_per_minute": 1000},
+            }
+        )
+    )
     limits = dict(load_key_limits(str(path)))
     assert limits["*"] == RateLimit(60, 1000)
     assert limits["alice"] == RateLimit(5, 1000)  # its own field over the default's
@@ -127,8 +134,12 @@ def test_users_see_only_their_own_requests() -> None:
     )
     assert tenancy.event_for(ops, sched)["batch"] == ["b1", "a-unknown"]
     assert tenancy.event_for(alice, Event("token", "never-seen", 0.0)) is None  # unknown ids: fail closed
-    snap = {"num_running": 2, "running": [{"request_id": "a1"}, {"request_id": "b1"}],
-            "num_waiting": 1, "waiting": [{"request_id": "b1"}]}  # fmt: skip
+    snap = {
+        "num_running": 2,
+        "running": [{"request_id": "a1"}, {"request_id": "b1"}],
+        "num_waiting": 1,
+        "waiting": [{"request_id": "b1"}],
+    }
     mine = tenancy.snapshot_for(alice, snap)
     assert mine["running"] == [{"request_id": "a1"}] and mine["waiting"] == [] and mine["num_running"] == 2
     assert tenancy.snapshot_for(ops, snap) == snap

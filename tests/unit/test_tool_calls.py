@@ -471,24 +471,44 @@ def test_check_tools_accepts_good_requests():
         (["x"], None, "tools[0]", "must be an object"),
         ([{"type": "retrieval"}], None, "tools[0].type", "must be 'function'"),
         ([{"type": "function"}], None, "tools[0].function", "must be an object"),
-        ([TOOLS[0], {"type": "function", "function": {"name": "bad name"}}], None,
-         "tools[1].function.name", "tools[1].function.name must be 1 to 64"),
+        (
+            [TOOLS[0], {"type": "function", "function": {"name": "bad name"}}],
+            None,
+            "tools[1].function.name",
+            "tools[1].function.name must be 1 to 64",
+        ),
         ([{"type": "function", "function": {"name": "x" * 65}}], None, "tools[0].function.name", "1 to 64"),
-        ([{"type": "function", "function": {"name": "f", "description": 3}}], None,
-         "tools[0].function.description", "must be a string"),
-        ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None,
-         "tools[0].function.parameters", "JSON schema object"),
+        (
+            [{"type": "function", "function": {"name": "f", "description": 3}}],
+            None,
+            "tools[0].function.description",
+            "must be a string",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+            None,
+            "tools[0].function.parameters",
+            "JSON schema object",
+        ),
         ([*TOOLS, TOOLS[0]], None, "tools[2].function.name", "already the name of tools[0]"),
-        ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], None, "tools",
-         "at most 128"),
+        (
+            [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+            None,
+            "tools",
+            "at most 128",
+        ),
         (TOOLS, "sometimes", "tool_choice", "tool_choice must be"),
         (TOOLS, {"type": "function", "name": "get_time"}, "tool_choice", "tool_choice must be"),
-        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name",
-         "no function named 'nope'"),
+        (
+            TOOLS,
+            {"type": "function", "function": {"name": "nope"}},
+            "tool_choice.function.name",
+            "no function named 'nope'",
+        ),
         (None, {"type": "function", "function": {"name": "f"}}, "tool_choice.function.name", "no tools"),
         ([], "required", "tool_choice", "at least one tool"),
     ],
-)  # fmt: skip
+)
 def test_check_tools_errors(tools, choice, param, message):
     with pytest.raises(ToolsError, match=re.escape(message)) as info:
         check_tools(tools, choice)

@@ -172,7 +172,7 @@ class ModelRunner:
             return None
         slots = [s.request.lora_slot for s in items]
         ranks = {s.request.lora_slot: s.request.lora.rank for s in items if s.request.lora is not None}
-        return LoRAStep.build(slots, [s.num_new_tokens for s in items], ranks, self.lora_state.version)  # type: ignore[arg-type]
+        return LoRAStep.build(slots, [s.num_new_tokens for s in items], ranks, self.lora_state.version)
 
     def _encoder_forward(
         self, items: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor

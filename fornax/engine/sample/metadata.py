@@ -100,9 +100,11 @@ class SamplingMetadata:
     def needs_processing(self) -> bool:
         """True when any stage changes the logits before greedy argmax / temperature."""
         return (
-            self.bias_rows is not None or self.min_tokens_rows is not None or self.penalties is not None
+            self.bias_rows is not None
+            or self.min_tokens_rows is not None
+            or self.penalties is not None
             or self.grammar_mask is not None
-        )  # fmt: skip
+        )
 
     @classmethod
     def build(

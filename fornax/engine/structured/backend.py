@@ -156,9 +156,11 @@ class GrammarBackend:
             vocab = [b"" if i in specials else tok.token_bytes(i) for i in range(tok.vocab_size)]
             vocab += [b""] * (self.vocab_size - len(vocab))
             info = xgr.TokenizerInfo(
-                vocab, vocab_type=xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                vocab,
+                vocab_type=xgr.VocabType.RAW,
+                vocab_size=self.vocab_size,
                 stop_token_ids=sorted(tok.eos_token_ids),
-            )  # fmt: skip
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler
 

@@ -73,10 +73,20 @@ class UnsupportedSchemaError(ValueError):
 # Annotations: they assert nothing about an instance, so neither engine has anything to enforce.
 # "discriminator" is OpenAPI's hint on a oneOf (pydantic emits it); the oneOf itself is checked.
 # "$id" is allowed at the root only: in a subschema it would change what its $refs resolve to.
-_ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-    "writeOnly", "$schema", "discriminator",
-})  # fmt: skip
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$schema",
+        "discriminator",
+    }
+)
 # Containers of subschemas for $ref to point into; they assert nothing by themselves.
 _DEFINITIONS = frozenset({"$defs", "definitions"})
 # Enforced by xgrammar 0.2.9 whatever the type (checked by tests/structured/test_schema_check.py).
@@ -89,14 +99,25 @@ _TYPED = {
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
     "numeric": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems", "unevaluatedItems"}),
-    "object": frozenset({
-        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-        "minProperties", "maxProperties", "unevaluatedProperties",
-    }),
-}  # fmt: skip
+    "object": frozenset(
+        {
+            "properties",
+            "required",
+            "additionalProperties",
+            "patternProperties",
+            "propertyNames",
+            "minProperties",
+            "maxProperties",
+            "unevaluatedProperties",
+        }
+    ),
+}
 _KIND_TYPES = {
-    "string": {"string"}, "numeric": {"integer", "number"}, "array": {"array"}, "object": {"object"},
-}  # fmt: skip
+    "string": {"string"},
+    "numeric": {"integer", "number"},
+    "array": {"array"},
+    "object": {"object"},
+}
 _KIND_OF = {kw: kind for kind, kws in _TYPED.items() for kw in kws}
 # What a "propertyNames" schema may use: xgrammar 0.2.9 enforces these on property names, with
 # or without "type": "string" (and string keywords need no "type" there).
@@ -131,10 +152,24 @@ _REFUSED = {
 
 # Formats whose violations xgrammar 0.2.9 rejects; it ignores every other value (idn-email,
 # idn-hostname, iri, iri-reference, regex, and OpenAPI's int32/int64/float/double/byte/binary/...).
-_ENFORCED_FORMATS = frozenset({
-    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-    "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer",
-})  # fmt: skip
+_ENFORCED_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "uuid",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
 
 _TYPE_NAMES = frozenset({"string", "number", "integer", "boolean", "null", "object", "array"})
 # Regex escapes xgrammar 0.2.9 gives their ECMA-262 meaning (letters not listed are taken literally
@@ -206,8 +241,12 @@ class _Walker:
         for key in schema:
             self._check_known(key, parts)
             if names and key not in _PROPERTY_NAME_KEYWORDS:
-                _fail(key, parts, f"'{key}' inside propertyNames is not supported; use type, enum, const and "
-                                  "string keywords there")  # fmt: skip
+                _fail(
+                    key,
+                    parts,
+                    f"'{key}' inside propertyNames is not supported; use type, enum, const and "
+                    "string keywords there",
+                )
         types = self._check_type(schema, parts)
         if names and types is not None and types != {"string"}:
             _fail("type", parts, "property names are strings")
@@ -217,8 +256,12 @@ class _Walker:
                 continue
             wanted = " or ".join(sorted(_KIND_TYPES[kind]))
             if types is None and not (names and kind == "string"):
-                _fail(key, parts, f"'{key}' needs an explicit \"type\" ({wanted}) in the same schema; "
-                                  "the grammar engine ignores it otherwise")  # fmt: skip
+                _fail(
+                    key,
+                    parts,
+                    f"'{key}' needs an explicit \"type\" ({wanted}) in the same schema; "
+                    "the grammar engine ignores it otherwise",
+                )
             if types is not None and not types & _KIND_TYPES[kind]:
                 _fail(key, parts, f"'{key}' applies to {wanted} but \"type\" is {sorted(types)}")
         self._check_values(schema, types, parts)
@@ -259,15 +302,23 @@ class _Walker:
             return
         extra = [k for k in schema if k not in self._allowed_beside(keyword, parts) | {"type"}]
         if extra:
-            _fail(extra[0], parts, f"'{extra[0]}' beside '{keyword}' is not enforced by the grammar engine; "
-                                   f"list only the allowed values in '{keyword}'")  # fmt: skip
+            _fail(
+                extra[0],
+                parts,
+                f"'{extra[0]}' beside '{keyword}' is not enforced by the grammar engine; "
+                f"list only the allowed values in '{keyword}'",
+            )
         values = schema["enum"] if keyword == "enum" else [schema["const"]]
         if keyword == "enum" and (not isinstance(values, list) or not values):
             _fail("enum", parts, '"enum" must be a non-empty list')
         for value in values if types is not None else ():
             if not _value_has_type(value, types):
-                _fail(keyword, parts, f"{keyword} value {json.dumps(value)[:40]} is not of \"type\" "
-                                      f"{sorted(types)}; the grammar engine would allow it")  # fmt: skip
+                _fail(
+                    keyword,
+                    parts,
+                    f'{keyword} value {json.dumps(value)[:40]} is not of "type" '
+                    f"{sorted(types)}; the grammar engine would allow it",
+                )
 
     def _check_applicator(self, schema: dict[str, Any], parts: Path) -> None:
         keyword = next((k for k in ("anyOf", "oneOf", "allOf", "$ref") if k in schema), None)
@@ -275,8 +326,12 @@ class _Walker:
             return
         extra = [k for k in schema if k not in self._allowed_beside(keyword, parts)]
         if extra:
-            _fail(extra[0], parts, f"'{extra[0]}' beside '{keyword}' is not enforced by the grammar engine; "
-                                   "move it into the subschemas")  # fmt: skip
+            _fail(
+                extra[0],
+                parts,
+                f"'{extra[0]}' beside '{keyword}' is not enforced by the grammar engine; "
+                "move it into the subschemas",
+            )
         if keyword == "$ref":
             if _pointer(schema["$ref"]) is None:
                 _fail("$ref", parts, "only local references ('#' or '#/...') are supported")
@@ -298,8 +353,12 @@ class _Walker:
             _check_pattern(schema["pattern"], "pattern", parts)
         if "format" in schema and schema["format"] not in _ENFORCED_FORMATS:
             fmt = json.dumps(schema["format"])[:40]
-            _fail("format", parts, f"format {fmt} is not enforced by the grammar engine "
-                                   f"(enforced: {', '.join(sorted(_ENFORCED_FORMATS))})")  # fmt: skip
+            _fail(
+                "format",
+                parts,
+                f"format {fmt} is not enforced by the grammar engine "
+                f"(enforced: {', '.join(sorted(_ENFORCED_FORMATS))})",
+            )
 
     def _check_numbers(self, schema: dict[str, Any], types: set[str] | None, parts: Path) -> None:
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
@@ -308,8 +367,11 @@ class _Walker:
         if "multipleOf" in schema:
             value = schema["multipleOf"]
             if types is None or "number" in types or not isinstance(value, int) or value <= 0:
-                _fail("multipleOf", parts, "multipleOf is only enforced as a positive integer with "
-                                           "\"type\": \"integer\"")  # fmt: skip
+                _fail(
+                    "multipleOf",
+                    parts,
+                    'multipleOf is only enforced as a positive integer with "type": "integer"',
+                )
 
     def _check_arrays(self, schema: dict[str, Any], parts: Path) -> None:
         for key in ("minItems", "maxItems"):
@@ -337,11 +399,18 @@ class _Walker:
             missing = [n for n in required if n not in schema.get("properties", {})]
             if missing:
                 name = json.dumps(missing[0])[:40]
-                _fail("required", parts, f"required property {name} is not declared in \"properties\"; "
-                                         "the grammar engine would not require it")  # fmt: skip
+                _fail(
+                    "required",
+                    parts,
+                    f'required property {name} is not declared in "properties"; '
+                    "the grammar engine would not require it",
+                )
         if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
-            _fail("propertyNames", parts, "propertyNames beside properties/patternProperties is not "
-                                          "enforced by the grammar engine")  # fmt: skip
+            _fail(
+                "propertyNames",
+                parts,
+                "propertyNames beside properties/patternProperties is not enforced by the grammar engine",
+            )
 
     # -- after the walk: references and oneOf
 
@@ -356,10 +425,14 @@ class _Walker:
             for i in range(len(branches)):
                 for j in range(i + 1, len(branches)):
                     if not self._disjoint(branches[i], branches[j]):
-                        _fail("oneOf", parts, f"oneOf subschemas {i} and {j} may overlap, and the grammar "
-                                              "engine would then accept an instance matching both; make them "
-                                              "disjoint (different types, or a property both require with "
-                                              "different const/enum values) or use anyOf")  # fmt: skip
+                        _fail(
+                            "oneOf",
+                            parts,
+                            f"oneOf subschemas {i} and {j} may overlap, and the grammar "
+                            "engine would then accept an instance matching both; make them "
+                            "disjoint (different types, or a property both require with "
+                            "different const/enum values) or use anyOf",
+                        )
 
     def _deref(self, schema: Any, hops: int = 32) -> Any:
         while isinstance(schema, dict) and "$ref" in schema:
@@ -430,9 +503,18 @@ class _Walker:
 
 _MISSING = object()
 # Keywords holding their subschemas one level down, under a name or an index.
-_CONTAINERS = frozenset({
-    "properties", "patternProperties", "$defs", "definitions", "prefixItems", "anyOf", "oneOf", "allOf",
-})  # fmt: skip
+_CONTAINERS = frozenset(
+    {
+        "properties",
+        "patternProperties",
+        "$defs",
+        "definitions",
+        "prefixItems",
+        "anyOf",
+        "oneOf",
+        "allOf",
+    }
+)
 
 
 def _subschemas(schema: dict[str, Any], parts: Path) -> Iterator[tuple[Any, Path, bool]]:

@@ -31,8 +31,14 @@ def host_block_layout(config: EngineConfig, model: ModelConfig) -> BlockLayout:
     """How the host tier stores one block of `model`'s KV (a tensor-parallel rank's: its heads)."""
     # The tier stores int8 rows when asked to, and always when the primary pool already does.
     quantized = config.offload.dtype == "int8" or config.cache.kv_cache_dtype == "int8"
-    return BlockLayout(model.num_hidden_layers, config.cache.block_size, model.num_key_value_heads,
-                       model.head_dim, DTYPES[config.dtype], quantized)  # fmt: skip
+    return BlockLayout(
+        model.num_hidden_layers,
+        config.cache.block_size,
+        model.num_key_value_heads,
+        model.head_dim,
+        DTYPES[config.dtype],
+        quantized,
+    )
 
 
 def build_connector(config: EngineConfig, loaded: LoadedModel) -> TieredConnector:
@@ -42,20 +48,32 @@ def build_connector(config: EngineConfig, loaded: LoadedModel) -> TieredConnecto
     quantized = layout.quantized
     host_blocks = offload.host_memory // layout.block_bytes
     if host_blocks < 1:
-        raise ValueError(f"--kv-offload-memory {offload.host_memory} bytes holds no block "
-                         f"({layout.block_bytes} bytes each)")  # fmt: skip
+        raise ValueError(
+            f"--kv-offload-memory {offload.host_memory} bytes holds no block "
+            f"({layout.block_bytes} bytes each)"
+        )
     disk = None
     if offload.disk_dir is not None:
         root = Path(offload.disk_dir).expanduser()
         root.mkdir(parents=True, exist_ok=True)
         digest = file_digest(weights_files(loaded), cache_file=fornax_home() / "kv-identity-memo.json")
         identity = model_identity(
-            digest, version=KV_FORMAT_VERSION, dtype=config.dtype, kv_cache_dtype=cache.kv_cache_dtype,
-            tier_form="int8" if quantized else "auto", block_size=cache.block_size,
-            layers=mc.num_hidden_layers, kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-        )  # fmt: skip
+            digest,
+            version=KV_FORMAT_VERSION,
+            dtype=config.dtype,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            tier_form="int8" if quantized else "auto",
+            block_size=cache.block_size,
+            layers=mc.num_hidden_layers,
+            kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+        )
         disk = DiskStore(root, identity, offload.disk_bytes, layout.block_bytes)
         logger.info("KV disk tier: %s, %d block(s) found", disk.dir, disk.num_files)
-    logger.info("KV host tier: %d block(s) of %d bytes (%s)", host_blocks, layout.block_bytes,
-                "int8" if quantized else config.dtype)  # fmt: skip
+    logger.info(
+        "KV host tier: %d block(s) of %d bytes (%s)",
+        host_blocks,
+        layout.block_bytes,
+        "int8" if quantized else config.dtype,
+    )
     return TieredConnector(layout, host_blocks, disk, cache.enable_prefix_caching)

@@ -72,8 +72,13 @@ class KVConnector(ABC):
         blocks, never the request's last token (its logits are needed)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int] | None,
-                                 num_computed_tokens: int, num_external_tokens: int) -> int:  # fmt: skip
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int] | None,
+        num_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> int:
         """After the allocation that followed a lookup (None: it failed and nothing happens):
         bind the matched blocks to `block_ids` from token `num_computed_tokens` on. Returns the
         tokens that will really be loaded (fewer if a disk chunk failed its checksum)."""

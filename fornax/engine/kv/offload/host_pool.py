@@ -72,8 +72,14 @@ def _primary_blocks(pool: torch.Tensor, block_size: int) -> torch.Tensor:
     return pool.view(pool.shape[0] // block_size, block_size, *pool.shape[1:])
 
 
-def copy_to_rows(layout: BlockLayout, layers: list[LayerKV], block_ids: torch.Tensor,
-                 values: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor) -> None:  # fmt: skip
+def copy_to_rows(
+    layout: BlockLayout,
+    layers: list[LayerKV],
+    block_ids: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> None:
     """Primary blocks `block_ids` -> tier rows `rows` (of the given views)."""
     bs = layout.block_size
     for li, layer in enumerate(layers):
@@ -90,8 +96,14 @@ def copy_to_rows(layout: BlockLayout, layers: list[LayerKV], block_ids: torch.Te
             scales[:, li, kv].index_copy_(0, rows, s)
 
 
-def copy_from_rows(layout: BlockLayout, layers: list[LayerKV], rows: torch.Tensor,
-                   values: torch.Tensor, scales: torch.Tensor | None, block_ids: torch.Tensor) -> None:  # fmt: skip
+def copy_from_rows(
+    layout: BlockLayout,
+    layers: list[LayerKV],
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_ids: torch.Tensor,
+) -> None:
     """Tier rows `rows` -> primary blocks `block_ids`."""
     bs = layout.block_size
     for li, layer in enumerate(layers):

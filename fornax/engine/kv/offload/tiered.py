@@ -122,8 +122,13 @@ class TieredConnector(KVConnector):
         entry = self.index.swapped(request.request_id)
         return entry[1] if entry is not None else 0
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int] | None,
-                                 num_computed_tokens: int, num_external_tokens: int) -> int:  # fmt: skip
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int] | None,
+        num_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> int:
         rid = request.request_id
         match = self._matches.pop(rid, None)
         if block_ids is None or num_external_tokens == 0:
