@@ -394,8 +394,13 @@ def prompts(seed: int, n: int, output_len: int) -> list[Any]:
     return out
 
 
-async def measure_level(url: str, streams: int, seed: int, timeout_s: float) -> dict[str, Any]:
-    """Warm up with `streams` short requests, then time 2x`streams` requests, `streams` at a time."""
+async def measure_level(
+    url: str, streams: int, seed: int, timeout_s: float, attempt: int = 0
+) -> dict[str, Any]:
+    """Warm up with `streams` short requests, then time 2x`streams` requests, `streams` at a time.
+
+    A level measured again on the same server (`attempt` > 0) gets prompts of its own: the
+    earlier attempt's would be prefix-cache hits on both servers and time no prefill."""
     import numpy as np
 
     from fornax.bench.client import Target, fetch_first_model, run_load
@@ -403,11 +408,12 @@ async def measure_level(url: str, streams: int, seed: int, timeout_s: float) -> 
 
     model = await fetch_first_model(url, None) or "model"
     target = Target(url, model, endpoint="completions", temperature=0.0)
-    warm = prompts(seed * 1000 + streams, streams, WARMUP_TOKENS)
+    seed = seed * 1000 + attempt * 100_000
+    warm = prompts(seed + streams, streams, WARMUP_TOKENS)
     results, _ = await run_load(target, warm, np.zeros(len(warm)), streams, timeout_s)
     if not all(r.success for r in results):
         raise RuntimeError(f"warm-up failed: {next(r.error for r in results if not r.success)}")
-    reqs = prompts(seed * 1000 + 500 + streams, 2 * streams, OUTPUT_TOKENS)
+    reqs = prompts(seed + 500 + streams, 2 * streams, OUTPUT_TOKENS)
     results, duration = await run_load(target, reqs, np.zeros(len(reqs)), streams, timeout_s)
     s = summarize(results, duration)
     ok = [r for r in results if r.success]
@@ -459,7 +465,7 @@ def run_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path, r
                         f"  the machine is still busy after {args.wait_idle:g} s: measuring", file=sys.stderr
                     )
                 watch = OtherWork()
-                m = asyncio.run(measure_level(server.url, c, args.seed, args.request_timeout))
+                m = asyncio.run(measure_level(server.url, c, args.seed, args.request_timeout, attempt))
                 m["other_cores"], m["attempts"] = watch.cores(), attempt + 1
                 print(
                     f"  round {rnd} {name:6s} c={c:<3d} {m['output_tok_s']:8.1f} tok/s  "
