@@ -13,12 +13,22 @@ Gemma 3 test's minute on 2 cores. Inside `one_gguf_parse()` that call gives the 
 from fornax's torch dequantizers, which equal the gguf package's bit for bit on every type they
 carry (tests/model/test_gguf_loading.py checks that against gguf itself, on random blocks);
 the name mapping, the layout changes and the config stay transformers' own.
+
+Two more costs of the same parse, each removed without changing a value: the reader slices the
+file through `np.memmap`, whose Python-level `__getitem__` and `__array_finalize__` run for every
+one of the ~800k field parts (a plain ndarray view of the same mapping slices in C: the same
+bytes); and transformers turns every part into a Python value with `_gguf_parse_value`, which
+decodes a string byte by byte through a list of numpy scalars (`bytes()` of the part decodes the
+same bytes at once); and the config and the tokenizer each parse the metadata (the second
+call gets a copy of the first's result).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import types
 from collections.abc import Iterator
 
 import gguf
@@ -32,13 +42,55 @@ def _same_values_faster(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> n
     return dequantize(data, qtype, torch.float32).numpy()
 
 
+def _plain_mapping_numpy() -> types.ModuleType:
+    """numpy's namespace, but `memmap` hands back a plain ndarray view of the mapping."""
+    shim = types.ModuleType("numpy")
+    shim.__dict__.update(np.__dict__)
+    shim.memmap = lambda *args, **kwargs: np.memmap(*args, **kwargs).view(
+        np.ndarray
+    )  # keeps the mapping open
+    return shim
+
+
+def _parse_value_at_once(value: np.ndarray, data_type: object) -> object:
+    """transformers' `_gguf_parse_value`, with a string's bytes decoded in one call."""
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    types_ = data_type if isinstance(data_type, list) else [data_type]
+    if types_ in ([8], [9, 8]):  # a string, alone or as an array's element
+        return bytes(value).decode()
+    return _gguf_parse_value(value, data_type)
+
+
 @contextlib.contextmanager
 def one_gguf_parse() -> Iterator[None]:
+    import gguf.gguf_reader as reader_module
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
     uncached, dequantize = gguf.GGUFReader, gguf.dequantize
+    numpy, parse_value, load_checkpoint = (
+        reader_module.np,
+        hf_gguf._gguf_parse_value,
+        hf_gguf.load_gguf_checkpoint,
+    )
+    metadata: dict[str, dict] = {}
+
+    def metadata_once(path: object, return_tensors: bool = False, **kwargs: object) -> dict:
+        """The config and tokenizer each parse the metadata: the second gets a copy of the first's."""
+        if return_tensors or kwargs:
+            return load_checkpoint(path, return_tensors, **kwargs)
+        if str(path) not in metadata:
+            metadata[str(path)] = load_checkpoint(path, False)
+        return copy.deepcopy(metadata[str(path)])
+
     # transformers imports both from the package at each load
     gguf.GGUFReader = functools.lru_cache(maxsize=1)(uncached)
     gguf.dequantize = _same_values_faster
+    reader_module.np, hf_gguf._gguf_parse_value = _plain_mapping_numpy(), _parse_value_at_once
+    hf_gguf.load_gguf_checkpoint = metadata_once
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.dequantize = uncached, dequantize
+        reader_module.np, hf_gguf._gguf_parse_value = numpy, parse_value
+        hf_gguf.load_gguf_checkpoint = load_checkpoint
