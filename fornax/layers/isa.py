@@ -121,3 +121,20 @@ def choose(cap: str | None, flags: frozenset[str], machine: str | None = None) -
 def current() -> Choice:
     """The choice for this process: FORNAX_ISA against this CPU."""
     return choose(env_isa(), cpu_flags())
+
+
+def level_flags(choice: Choice, flags: frozenset[str], machine: str | None = None) -> frozenset[str]:
+    """The CPU's flags as a process capped at `choice` may use them: without the flags that only
+    the levels above it add. A process capped below AVX-512 BF16 then plans as a CPU of its level
+    would (float32 activations, no bf16 step left to torch), so that the cap measures that CPU."""
+    if choice.native or choice.level is None:
+        return flags
+    family = ARM_LEVELS if (machine or platform.machine()) in ("aarch64", "arm64") else X86_LEVELS
+    above = frozenset().union(*(level.requires for level in family)) - choice.level.requires
+    return flags - above
+
+
+def usable_flags() -> frozenset[str]:
+    """level_flags for this process: the CPU's flags under its FORNAX_ISA cap."""
+    flags = cpu_flags()
+    return level_flags(choose(env_isa(), flags), flags)

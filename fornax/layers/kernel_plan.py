@@ -91,7 +91,7 @@ class Kernels:
             f32=load_f32_matmul() is not None,
             int8=load_int8_matmul() is not None,
             amx=load_amx_bf16_matmul() is not None,
-            torch_bf16=bool(isa.cpu_flags() & NATIVE_BF16_FLAGS),
+            torch_bf16=bool(isa.usable_flags() & NATIVE_BF16_FLAGS),
         )
 
 
@@ -304,7 +304,7 @@ def choose_dtype(kernels_loaded: bool, flags: frozenset[str]) -> str:
 def resolve_dtype(kernel_backend: str) -> str:
     """choose_dtype for this process, saying once why where it picks float32."""
     loaded = kernel_backend == "native" and library_level() is not None
-    dtype = choose_dtype(loaded, isa.cpu_flags())
+    dtype = choose_dtype(loaded, isa.usable_flags())
     if dtype == "float32":
         why = "kernel_backend torch" if kernel_backend != "native" else "no native kernels"
         logger.warning(

@@ -70,6 +70,20 @@ def test_current_reads_fornax_isa(monkeypatch):
         isa.current()
 
 
+def test_a_capped_process_sees_only_its_levels_flags():
+    """Under a cap the plan must see the CPU a real CPU of that level is: no native bf16 for torch
+    below avx512-bf16 (kernel_plan.Kernels.torch_bf16 reads these flags), no AMX below amx."""
+    avx2 = isa.level_flags(isa.choose("avx2", SAPPHIRE, "x86_64"), SAPPHIRE, "x86_64")
+    assert avx2 == ZEN2  # every AVX-512 and AMX flag gone, the CPU's other flags kept
+    vnni = isa.level_flags(isa.choose("avx512-vnni", SAPPHIRE, "x86_64"), SAPPHIRE, "x86_64")
+    assert "avx512_vnni" in vnni and not vnni & {"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
+    bf16 = isa.level_flags(isa.choose("avx512-bf16", SAPPHIRE, "x86_64"), SAPPHIRE, "x86_64")
+    assert bf16 == ZEN4
+    assert isa.level_flags(isa.choose(None, SAPPHIRE, "x86_64"), SAPPHIRE, "x86_64") == SAPPHIRE
+    neon = isa.level_flags(isa.choose("neon", GRAVITON3, "aarch64"), GRAVITON3, "aarch64")
+    assert neon == {"fp", "asimd", "sve"}
+
+
 def test_auto_dtype_is_float32_only_where_bf16_would_be_emulated():
     assert choose_dtype(True, ZEN2) == "bfloat16"  # the kernels widen bf16 themselves
     assert choose_dtype(False, ZEN2) == "float32"  # torch alone would emulate bf16
