@@ -103,7 +103,8 @@ class EngineArgs:
     small_step_max_rows: int | None = _arg(
         _declared(EngineConfig, "small_step_max_rows"),
         "steps of at most this many tokens use the quantized kernels "
-        f"(default {SMALL_STEP_MAX_ROWS}, {SMALL_STEP_MAX_ROWS_W8A8} with w8a8 large steps)",
+        f"(default {SMALL_STEP_MAX_ROWS}; with w8a8 large steps {SMALL_STEP_MAX_ROWS_W8A8}, "
+        "or 4 where the CPU's int8 kernel has no byte dot product: AVX2, AVX-512 without VNNI)",
         type=int,
     )
     large_step_quantization: str | None = _arg(
@@ -353,12 +354,25 @@ class EngineArgs:
 
         return resolve_dtype(self.kernel_backend)
 
+    def resolved_small_step_max_rows(self) -> int | None:
+        """`small_step_max_rows`; unset beside w8a8 large steps, decided for this CPU's kernels
+        (layers/kernel_plan.py w8a8_small_step_rows); else left to EngineConfig's default."""
+        if self.small_step_max_rows is not None or self.large_step_quantization != "w8a8":
+            return self.small_step_max_rows
+        if self.kernel_backend != "native":
+            return None
+        from fornax.layers.kernel_plan import w8a8_small_step_rows  # loads torch, as resolved_dtype
+        from fornax.layers.native import library_level
+
+        level = library_level()
+        return w8a8_small_step_rows(level.name if level is not None else None)
+
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=str(self.model),
             dtype=self.resolved_dtype(),
             quantization=self.quantization,
-            small_step_max_rows=self.small_step_max_rows,
+            small_step_max_rows=self.resolved_small_step_max_rows(),
             large_step_quantization=self.large_step_quantization,
             large_step_min_rows=self.large_step_min_rows,
             lm_head_quantization=self.lm_head_quantization,

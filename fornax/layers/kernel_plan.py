@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fornax.config import SMALL_STEP_MAX_ROWS_W8A8
 from fornax.layers import isa
 from fornax.layers.native import (
     library_level,
@@ -61,6 +62,21 @@ ONE_FORM_ROWS = 1 << 30
 # 262k x 640 head, one row 3.1 ms against 6.8 for int8 x int8, two 4.3 against ~7; from four
 # rows on the int8 forms win (native int4 vs int8 kernels, 2026-12-05).
 LM_HEAD_INT4_MAX_ROWS = 2
+
+# With w8a8 large steps the int4 small-step form serves steps of up to this many rows where the
+# int8 x int8 kernel has no byte dot product into int32 (the avx2 and avx512 levels: each 32
+# products take vpsignb, vpmaddubsw, vpmaddwd and an add): there the int4 kernel took 0.59-0.83x
+# its time at 2 rows and 0.75-0.78x at 4, and about the same at 8 (`FORNAX_ISA=avx2|avx512
+# benchmarks/int8_matmul.py`, AMD EPYC Zen 4, 2026-12-07). With VNNI (or NEON's sdot) int8 x int8
+# wins from two rows on: config.SMALL_STEP_MAX_ROWS_W8A8.
+W8A8_SMALL_ROWS_WITHOUT_BYTE_DOT = 4
+LEVELS_WITHOUT_BYTE_DOT = frozenset({"avx2", "avx512"})
+
+
+def w8a8_small_step_rows(level: str | None) -> int:
+    """The default small_step_max_rows beside w8a8 large steps, for the kernels' level."""
+    return W8A8_SMALL_ROWS_WITHOUT_BYTE_DOT if level in LEVELS_WITHOUT_BYTE_DOT else SMALL_STEP_MAX_ROWS_W8A8
+
 
 # CPU flags under which torch computes bf16 matmuls natively (oneDNN's AVX-512 BF16 / AMX paths).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

@@ -104,3 +104,33 @@ def test_auto_dtype_resolves_per_backend_and_cpu(monkeypatch, caplog):
     monkeypatch.setattr(kernel_plan.isa, "cpu_flags", lambda: SAPPHIRE)
     assert EngineArgs(model="m", kernel_backend="torch").create_engine_config().dtype == "bfloat16"
     assert EngineArgs(model="m", dtype="float32").create_engine_config().dtype == "float32"
+
+
+def test_w8a8_small_steps_take_int4_longer_where_int8_has_no_byte_dot_product():
+    from fornax.config import SMALL_STEP_MAX_ROWS_W8A8
+    from fornax.layers.kernel_plan import w8a8_small_step_rows
+
+    assert w8a8_small_step_rows("avx2") == w8a8_small_step_rows("avx512") == 4
+    for level in ("avx512-vnni", "avx512-bf16", "amx", "neon", "neon-dotprod", "neon-i8mm", None):
+        assert w8a8_small_step_rows(level) == SMALL_STEP_MAX_ROWS_W8A8
+
+
+def test_engine_args_pick_the_w8a8_small_rows_of_the_capped_level(monkeypatch):
+    """make run's flags leave small_step_max_rows unset: it follows the kernels' level; a value
+    given is kept, and without w8a8 EngineConfig's own default applies."""
+    from fornax.config import SMALL_STEP_MAX_ROWS
+    from fornax.engine_args import EngineArgs
+    from fornax.layers import native
+
+    level = isa.choose("avx2", ZEN4, "x86_64")
+    monkeypatch.setattr(native, "library_level", lambda: level)
+    make_run = EngineArgs(model="m", quantization="auto", large_step_quantization="w8a8", dtype="bfloat16")
+    assert make_run.create_engine_config().small_step_max_rows == 4
+    given = EngineArgs(model="m", large_step_quantization="w8a8", small_step_max_rows=2, dtype="bfloat16")
+    assert given.create_engine_config().small_step_max_rows == 2
+    assert (
+        EngineArgs(model="m", dtype="bfloat16").create_engine_config().small_step_max_rows
+        == SMALL_STEP_MAX_ROWS
+    )
+    monkeypatch.setattr(native, "library_level", lambda: isa.choose(None, ZEN4, "x86_64"))
+    assert make_run.create_engine_config().small_step_max_rows == 1
