@@ -29,6 +29,7 @@ from fornax.config import (
     SERVE_MAX_NUM_BATCHED_TOKENS,
     SMALL_STEP_MAX_ROWS,
     SMALL_STEP_MAX_ROWS_W8A8,
+    SMALL_STEP_MAX_ROWS_W8A8_NO_BYTE_DOT,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -104,7 +105,8 @@ class EngineArgs:
         _declared(EngineConfig, "small_step_max_rows"),
         "steps of at most this many tokens use the quantized kernels "
         f"(default {SMALL_STEP_MAX_ROWS}; with w8a8 large steps {SMALL_STEP_MAX_ROWS_W8A8}, "
-        "or 4 where the CPU's int8 kernel has no byte dot product: AVX2, AVX-512 without VNNI)",
+        f"or {SMALL_STEP_MAX_ROWS_W8A8_NO_BYTE_DOT} where the CPU's int8 kernel has no byte dot product: "
+        "AVX2, AVX-512 without VNNI)",
         type=int,
     )
     large_step_quantization: str | None = _arg(

@@ -46,9 +46,11 @@ def _plain_mapping_numpy() -> types.ModuleType:
     """numpy's namespace, but `memmap` hands back a plain ndarray view of the mapping."""
     shim = types.ModuleType("numpy")
     shim.__dict__.update(np.__dict__)
-    shim.memmap = lambda *args, **kwargs: np.memmap(*args, **kwargs).view(
-        np.ndarray
-    )  # keeps the mapping open
+
+    def memmap(*args: object, **kwargs: object) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)  # the view keeps the mapping open
+
+    shim.memmap = memmap
     return shim
 
 

@@ -219,6 +219,9 @@ SMALL_STEP_MAX_ROWS = 12
 # ... and where the large steps run int8 x int8 (large_step_quantization "w8a8"), int4 beats
 # that kernel at one row only (docs/performance.md).
 SMALL_STEP_MAX_ROWS_W8A8 = 1
+# ... unless that kernel has no byte dot product into int32 (AVX2, AVX-512 without VNNI): there
+# int4 stays ahead up to 4 rows (layers/kernel_plan.py w8a8_small_step_rows says where).
+SMALL_STEP_MAX_ROWS_W8A8_NO_BYTE_DOT = 4
 
 # `fornax serve`'s token budget per step (fornax/engine_args.py applies it to the serve
 # flags): smaller than the offline one, because on a CPU a step's time grows with its tokens

@@ -79,11 +79,14 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def _family(machine: str | None) -> tuple[Level, ...]:
+    """The levels of this machine's architecture (x86 or Arm), lowest first."""
+    return ARM_LEVELS if (machine or platform.machine()) in ("aarch64", "arm64") else X86_LEVELS
+
+
 def supported_levels(flags: frozenset[str], machine: str | None = None) -> tuple[Level, ...]:
     """The levels this CPU runs, lowest first (empty: none of the kernels' paths fits it)."""
-    machine = machine or platform.machine()
-    family = ARM_LEVELS if machine in ("aarch64", "arm64") else X86_LEVELS
-    return tuple(level for level in family if level.requires <= flags)
+    return tuple(level for level in _family(machine) if level.requires <= flags)
 
 
 @dataclass(frozen=True)
@@ -129,8 +132,7 @@ def level_flags(choice: Choice, flags: frozenset[str], machine: str | None = Non
     would (float32 activations, no bf16 step left to torch), so that the cap measures that CPU."""
     if choice.native or choice.level is None:
         return flags
-    family = ARM_LEVELS if (machine or platform.machine()) in ("aarch64", "arm64") else X86_LEVELS
-    above = frozenset().union(*(level.requires for level in family)) - choice.level.requires
+    above = frozenset().union(*(level.requires for level in _family(machine))) - choice.level.requires
     return flags - above
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fornax.config import SMALL_STEP_MAX_ROWS_W8A8
+from fornax.config import SMALL_STEP_MAX_ROWS_W8A8, SMALL_STEP_MAX_ROWS_W8A8_NO_BYTE_DOT
 from fornax.layers import isa
 from fornax.layers.native import (
     library_level,
@@ -69,13 +69,14 @@ LM_HEAD_INT4_MAX_ROWS = 2
 # its time at 2 rows and 0.75-0.78x at 4, and about the same at 8 (`FORNAX_ISA=avx2|avx512
 # benchmarks/int8_matmul.py`, AMD EPYC Zen 4, 2026-12-07). With VNNI (or NEON's sdot) int8 x int8
 # wins from two rows on: config.SMALL_STEP_MAX_ROWS_W8A8.
-W8A8_SMALL_ROWS_WITHOUT_BYTE_DOT = 4
 LEVELS_WITHOUT_BYTE_DOT = frozenset({"avx2", "avx512"})
 
 
 def w8a8_small_step_rows(level: str | None) -> int:
     """The default small_step_max_rows beside w8a8 large steps, for the kernels' level."""
-    return W8A8_SMALL_ROWS_WITHOUT_BYTE_DOT if level in LEVELS_WITHOUT_BYTE_DOT else SMALL_STEP_MAX_ROWS_W8A8
+    return (
+        SMALL_STEP_MAX_ROWS_W8A8_NO_BYTE_DOT if level in LEVELS_WITHOUT_BYTE_DOT else SMALL_STEP_MAX_ROWS_W8A8
+    )
 
 
 # CPU flags under which torch computes bf16 matmuls natively (oneDNN's AVX-512 BF16 / AMX paths).
