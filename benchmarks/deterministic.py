@@ -20,11 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _servers import Process  # benchmarks/ is on sys.path when run as a script
+from _servers import MAKE_RUN_FLAGS, Process  # benchmarks/ is on sys.path when run as a script
 
 FORMS = {
     "bf16": [],
-    "make-run": ["--quantization", "auto", "--large-step-quantization", "w8a8"],
+    "make-run": list(MAKE_RUN_FLAGS),
 }
 KEY = "sk-deterministic-bench"
 

@@ -37,15 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _servers import Process  # benchmarks/ is on sys.path when run as a script
+from _servers import MAKE_RUN_FLAGS, Process  # benchmarks/ is on sys.path when run as a script
 
 from fornax.config import DEFAULT_MODEL
 
 SERVER_FLAGS = [
-    "--quantization",
-    "auto",
-    "--large-step-quantization",
-    "w8a8",
+    *MAKE_RUN_FLAGS,
     "--max-model-len",
     "4096",
     "--no-access-log",

@@ -26,16 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _servers import Process, ServerProcess, free_port  # benchmarks/ is on sys.path when run as a script
+from _servers import (
+    MAKE_RUN_FLAGS,
+    Process,
+    ServerProcess,
+    free_port,
+)  # benchmarks/ is on sys.path when run as a script
 
 from fornax.config import DEFAULT_MODEL
 from fornax.models.registry import resolve_model
 
 FORNAX_FLAGS = [
-    "--quantization",
-    "auto",
-    "--large-step-quantization",
-    "w8a8",
+    *MAKE_RUN_FLAGS,
     "--max-num-seqs",
     "64",
     "--no-access-log",

@@ -44,14 +44,14 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _servers import Process  # benchmarks/ is on sys.path when run as a script
+from _servers import MAKE_RUN_FLAGS, Process  # benchmarks/ is on sys.path when run as a script
 from prometheus_client.parser import text_string_to_metric_families
 
 from fornax.config import DEFAULT_MODEL
 
 POLICIES = ("cache-aware", "round-robin")
 # make run's flags, one compute thread each (two replicas on two cores).
-REPLICA_FLAGS = ["--quantization", "auto", "--large-step-quantization", "w8a8", "--num-threads", "1"]
+REPLICA_FLAGS = [*MAKE_RUN_FLAGS, "--num-threads", "1"]
 HIT_RATE_GOAL, TTFT_GOAL, ADDED_MS_GOAL = 1.8, 0.5, 2.0
 BLOCK_SIZE = 16  # fornax serve's default --block-size
 

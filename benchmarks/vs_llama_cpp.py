@@ -52,7 +52,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _servers import ServerProcess, free_port  # benchmarks/ is on sys.path when run as a script
+from _servers import (
+    MAKE_RUN_FLAGS,
+    ServerProcess,
+    free_port,
+)  # benchmarks/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -336,10 +340,7 @@ def start_server(name: str, gguf: Path, args: argparse.Namespace, log_dir: Path,
             "127.0.0.1",
             "--port",
             str(port),
-            "--quantization",
-            "auto",
-            "--large-step-quantization",
-            "w8a8",
+            *MAKE_RUN_FLAGS,
             "--max-num-seqs",
             "64",
             "--no-access-log",
