@@ -68,6 +68,7 @@ from fornax.layers.linear import BlockInt4, BlockInt8, Int8Rotated, hadamard_blo
 from fornax.layers.native import FusedOps, load_fused_ops, load_int8_matmul, load_paged_attention
 from fornax.layers.ops import TorchOps
 from fornax.layers.rotary import RotaryEmbedding
+from tests.model.test_int8_rotated import _reference_quantize
 from tests.model.test_native_kernels import BLOCK, DIM, KV_HEADS, _attend, _pool, _step, _strided_rows
 from tests.model.test_native_kernels import HEADS as ATTN_HEADS
 from tests.model.test_native_kernels import TOL as FUSED_TOL
@@ -565,13 +566,6 @@ def outputs(request, tmp_path_factory) -> tuple[str, Path]:
 
 # the same functions tests/model/test_quant_matmul.py checks the x86 kernels with
 _quant_reference = quant_definition
-
-
-def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    v = hadamard_blocks(x)  # [rows, k] float32
-    m = v.abs().amax(dim=1)
-    inv = torch.where(m > 0, 127.0 / m, torch.zeros_like(m))
-    return torch.round(v * inv[:, None]).clamp(-127, 127).to(torch.int8), m / 127.0
 
 
 def _exact(form: Int8Rotated, q: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(
 def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     v = hadamard_blocks(x)  # [rows, k] float32
     m = v.abs().amax(dim=1)
-    inv = torch.where(m > 0, 127.0 / m, torch.zeros_like(m))
+    # full_like / m: one division, as the kernel's; torch's `127.0 / m` rounds twice
+    inv = torch.where(m > 0, torch.full_like(m, 127.0) / m, torch.zeros_like(m))
     return torch.round(v * inv[:, None]).clamp(-127, 127).to(torch.int8), m / 127.0
 
 
