@@ -96,3 +96,18 @@ def one_gguf_parse() -> Iterator[None]:
         gguf.GGUFReader, gguf.dequantize = uncached, dequantize
         reader_module.np, hf_gguf._gguf_parse_value = numpy, parse_value
         hf_gguf.load_gguf_checkpoint = load_checkpoint
+
+
+def greedy_disagreement(hf_model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> int | None:
+    """The first position at which `tokens` is not transformers' greedy continuation of `prompt`
+    (the token is not the model's argmax after everything before it), or None where it is.
+
+    One forward over prompt + tokens instead of `generate()`'s one call per new token: greedy
+    decoding is a function of the prefix alone, so `tokens` is the greedy output exactly when each
+    token is the argmax after its prefix, and this sees every position even past an end-of-text
+    token, where `generate()` would stop. Both compute the same logits with matmuls of other
+    shapes; a genuine near-tie could fall either way in either, as on another machine."""
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])])
+    with torch.inference_mode():
+        argmax = hf_model(ids).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
+    return next((i for i, (a, t) in enumerate(zip(argmax, tokens)) if a != t), None)

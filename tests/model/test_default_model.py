@@ -8,7 +8,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.models.base import KVCache
-from tests.hf_reference import one_gguf_parse
+from tests.hf_reference import greedy_disagreement, one_gguf_parse
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,6 @@ def hf_model(default_gguf):
         model = AutoModelForCausalLM.from_pretrained(
             str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
         )
-    # Compare full-length outputs: with EOS ignored on our side, transformers must not stop either.
-    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -60,46 +58,27 @@ def test_logits_match_transformers(llm, hf_model):
     assert (ours - ref).abs().max().item() < 1e-3
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(llm, hf_model) -> list[list[int]]:
-    """transformers' greedy continuation (32 tokens) of each prompt."""
-    tok = llm.get_tokenizer()
-    refs = []
-    for prompt in (tok.encode(p) for p in PROMPTS):
-        with torch.inference_mode():
-            out = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=32,
-                do_sample=False,
-            )
-        refs.append(out[0, len(prompt) :].tolist())
-    return refs
-
-
-def _greedy_mismatches(llm: LLM, refs: list[list[int]]) -> list[tuple[str, str, str]]:
+def _greedy_mismatches(llm: LLM, hf_model) -> list[tuple[str, str, int]]:
+    """Prompts whose 32 greedy tokens are not transformers': (prompt, our text, first bad position)."""
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    return [
-        (tok.decode(prompt), out.outputs[0].text, tok.decode(ref))
-        for prompt, out, ref in zip(prompts, outs, refs)
-        if out.outputs[0].token_ids != ref
-    ]
+    found = [(p, o, greedy_disagreement(hf_model, p, o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    return [(tok.decode(p), o.outputs[0].text, at) for p, o, at in found if at is not None]
 
 
-def test_greedy_matches_transformers(llm, hf_greedy):
-    assert not _greedy_mismatches(llm, hf_greedy)
+def test_greedy_matches_transformers(llm, hf_model):
+    assert not _greedy_mismatches(llm, hf_model)
     llm.engine.check_integrity()
 
 
-def test_deterministic_fp32_matches_transformers_and_itself(default_gguf, hf_greedy):
+def test_deterministic_fp32_matches_transformers_and_itself(default_gguf, hf_model):
     """Deterministic mode in float32 (its own fixed-order kernels): the same greedy tokens as
     transformers, and each prompt alone gives the bits it gives among the others."""
     llm = LLM(
         str(default_gguf), dtype="float32", deterministic=True, progress=False, kv_cache_memory="256MiB"
     )
-    assert not _greedy_mismatches(llm, hf_greedy)
+    assert not _greedy_mismatches(llm, hf_model)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
