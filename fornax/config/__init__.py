@@ -59,6 +59,7 @@ from fornax.config.keys import (
     load_key_limits,
 )
 from fornax.config.lora import LoRAConfig, check_adapter_name, parse_adapter_flag
+from fornax.config.moe import MAX_EXPERTS, MOE_NAMINGS, MoEConfig
 from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 from fornax.config.server import ServedModelConfig, ServerConfig
 
@@ -72,6 +73,8 @@ __all__ = [
     "KV_OFFLOAD_DTYPES",
     "LARGE_STEP_METHODS",
     "LM_HEAD_METHODS",
+    "MAX_EXPERTS",
+    "MOE_NAMINGS",
     "POOLING_TYPES",
     "PREEMPTION_MODES",
     "PREFIX_CACHE_SCOPES",
@@ -89,6 +92,7 @@ __all__ = [
     "EngineConfig",
     "GiB",
     "LoRAConfig",
+    "MoEConfig",
     "ModelConfig",
     "OffloadConfig",
     "PoolingConfig",

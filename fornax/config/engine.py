@@ -12,6 +12,7 @@ from fornax.config.environment import (
     machine_memory,
 )
 from fornax.config.lora import LoRAConfig
+from fornax.config.moe import MoEConfig
 from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 
 
@@ -76,8 +77,12 @@ class ModelConfig:
     encoder: bool = False
     type_vocab_size: int = 0
     pooling: PoolingConfig = field(default_factory=PoolingConfig)  # how it embeds (config/pooling.py)
+    # Mixture-of-experts MLPs (config/moe.py, models/moe.py); None: every layer's MLP is dense.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.moe is not None and any(not 0 <= i < self.num_hidden_layers for i in self.moe.sparse_layers):
+            raise ConfigError("a sparse layer index is past num_hidden_layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act not in ACTIVATIONS:

@@ -43,7 +43,8 @@ from fornax.models.sharding import (
 )
 
 # HF architecture name -> implementation. The Llama family shares one implementation
-# whose config switches cover Mistral and Qwen2/3 (see models/llama.py); Gemma 3 reuses its
+# whose config switches cover Mistral, Qwen2/3 and their mixture-of-experts siblings (Mixtral,
+# Qwen2-MoE, Qwen3-MoE: models/moe.py); Gemma 3 reuses its
 # layers in a decoder of its own (models/gemma3.py). BERT is an encoder: it serves pooling
 # (embedding) requests only (models/bert.py), or with a classifier head scores text pairs as a
 # cross-encoder (models/bert_classifier.py).
@@ -54,6 +55,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
@@ -218,6 +222,12 @@ def load_engine_model(config: EngineConfig, progress: bool = True, shard: Shard 
     if loaded.config.encoder and any(asked.values()):
         names = ", ".join(name for name, on in asked.items() if on)
         raise ModelLoadError(f"an encoder (embedding) model does not run with {names}")
+    # Routing is torch's float32 linear, whose sums may be ordered by the step's row count, and
+    # which expert a token reaches would then depend on its batch: not a batch-invariant form.
+    if loaded.config.moe is not None and config.deterministic:
+        raise ModelLoadError(
+            "deterministic mode does not run mixture-of-experts models yet (routing is not batch-invariant)"
+        )
     return loaded
 
 

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fornax.config import ConfigError, ModelConfig
+from fornax.config import ConfigError, ModelConfig, MoEConfig
 from fornax.models.bert import ENCODER_ARCHITECTURES, bert_model_config
 from fornax.models.loader import (
     GEMMA3_LOCAL_ROPE_THETA,
     GEMMA3_SLIDING_PATTERN,
-    SUPPORTED_HF_ARCHITECTURES,
     CutsFor,
     LoadedWeights,
     ModelLoadError,
@@ -28,6 +27,10 @@ from fornax.models.pooling_config import read_pooling_config
 from fornax.models.sharding import take_cut
 
 GATED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+SUPPORTED_HF_ARCHITECTURES = {
+    f"{family}ForCausalLM"
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe")
+}
 
 
 def hf_model_config(hf_dir: Path) -> ModelConfig:
@@ -78,16 +81,51 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma ties unless told
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or bool(raw.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=act,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             name=hf_dir.name,
             pooling=pooling,
+            moe=_moe_hf_config(arch, raw),
             **(_gemma3_hf_config(raw, local_rope) if gemma else {}),
         )
     except (KeyError, ConfigError) as exc:
         raise ModelLoadError(f"bad config.json in {hf_dir}: {exc}") from None
+
+
+def _moe_hf_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
+    """The experts of Mixtral, Qwen2-MoE and Qwen3-MoE configs, with transformers' defaults."""
+    layers = int(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, renormalized
+        return MoEConfig(
+            num_experts=int(raw.get("num_local_experts", 8)),
+            top_k=int(raw.get("num_experts_per_tok", 2)),
+            expert_intermediate_size=int(raw["intermediate_size"]),
+            normalize_top_k=True,
+            sparse_layers=tuple(range(layers)),
+            naming="mixtral",
+        )
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    experts = int(
+        raw.get("num_experts") or raw.get("num_local_experts") or 0
+    )  # transformers 5 writes the latter
+    if experts <= 0:
+        return None
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(
+        num_experts=experts,
+        top_k=int(raw.get("num_experts_per_tok", 2)),
+        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        normalize_top_k=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=shared,
+    )
 
 
 def _gemma3_hf_config(raw: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:

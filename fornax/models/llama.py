@@ -2,7 +2,8 @@
 
 These architectures differ only in small switches that the config carries: QKV bias
 (Qwen2), per-head RMSNorm on Q and K before RoPE (Qwen3), RoPE scaling (Llama 3),
-sliding-window attention (Mistral), tied embeddings. One implementation keeps them
+sliding-window attention (Mistral), tied embeddings, and mixture-of-experts MLPs in some or
+all layers (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py). One implementation keeps them
 exactly in step with each other; `models/__init__.py` maps HF architecture names here.
 
 The forward pass takes a flattened batch: tokens of many sequences laid end to end,
@@ -22,6 +23,7 @@ from fornax.layers.norm import RMSNorm
 from fornax.layers.ops import TORCH_OPS, LayerOps
 from fornax.layers.rotary import RotaryEmbedding
 from fornax.models.base import KVCache, LinearForms
+from fornax.models.moe import GatedMLP, SparseMoE, load_moe_extras, moe_linear_sources
 
 
 class Attention(nn.Module):
@@ -76,12 +78,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        moe = config.moe
+        self.mlp: nn.Module = (
+            SparseMoE(config, moe, dtype)
+            if moe is not None and index in moe.sparse_layers
+            else MLP(config, dtype)
+        )
 
     def forward(
         self,
@@ -110,7 +117,7 @@ class LlamaForCausalLM(LinearForms):
         self.embed_tokens: nn.Module = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=table, _freeze=True
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(
@@ -142,6 +149,9 @@ class LlamaForCausalLM(LinearForms):
             attn, mlp = layer.self_attn, layer.mlp
             out.append((attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
             out.append((attn.o_proj, [p + "self_attn.o_proj.weight"]))
+            if isinstance(mlp, SparseMoE):
+                out += moe_linear_sources(mlp, i)
+                continue
             out.append((mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
             out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
         return out
@@ -149,7 +159,7 @@ class LlamaForCausalLM(LinearForms):
     def use_ops(self, ops: LayerOps) -> None:
         """Run norms, rotary and SiLU*up through `ops` (layers/ops.py: torch or native)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, GatedMLP)):
                 module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,6 +182,8 @@ class LlamaForCausalLM(LinearForms):
             p = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(tensors[p + "post_attention_layernorm.weight"])
+            if isinstance(layer.mlp, SparseMoE):
+                load_moe_extras(layer.mlp, i, tensors)
             attn = layer.self_attn
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])

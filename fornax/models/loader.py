@@ -25,6 +25,7 @@ from tqdm import tqdm
 from fornax.config import ConfigError, ModelConfig
 from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from fornax.layers.dequantize import dequantize
+from fornax.models.moe import moe_layer_names
 from fornax.models.sharding import Cut, take_cut
 
 # Given a model's config, the part of each tensor to read (models/sharding.py shard_cuts).
@@ -38,9 +39,6 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
-}
-SUPPORTED_HF_ARCHITECTURES = {
-    f"{family}ForCausalLM" for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3")
 }
 # What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
 # attends globally, the others within the window, with RoPE base 10,000 on those.
@@ -477,8 +475,9 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
 # The weights every decoder layer has (biases and q/k norms are per family).
 _LAYER_WEIGHTS = (
     "input_layernorm post_attention_layernorm self_attn.q_proj self_attn.k_proj self_attn.v_proj "
-    "self_attn.o_proj mlp.gate_proj mlp.up_proj mlp.down_proj"
+    "self_attn.o_proj"
 ).split()
+_DENSE_MLP_WEIGHTS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def check_tensor_set(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
@@ -486,6 +485,10 @@ def check_tensor_set(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> N
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         required += [f"{p}{n}.weight" for n in _LAYER_WEIGHTS]
+        if config.moe is not None and i in config.moe.sparse_layers:
+            required += moe_layer_names(config.moe, i)
+        else:
+            required += [f"{p}{n}.weight" for n in _DENSE_MLP_WEIGHTS]
     missing = [n for n in required if n not in tensors]
     if missing:
         raise ModelLoadError(f"model is missing {len(missing)} tensors, e.g. {missing[0]}")

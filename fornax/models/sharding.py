@@ -101,6 +101,10 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     group = heads // kv_heads
     if world < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world}")
+    if world > 1 and config.moe is not None:
+        raise ValueError(
+            "a mixture-of-experts model runs in one process: its experts are not split over ranks yet"
+        )
     if world > inter:
         raise ValueError(f"tensor parallel size {world} exceeds the MLP width {inter}")
     if kv_heads >= world:

@@ -102,6 +102,29 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    elif arch == "mixtral":  # 4 experts of intermediate_size, top 2, renormalized
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    elif arch == "qwen3_moe":  # 8 small experts, top 3 renormalized; layer 1 keeps a dense MLP
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            use_sliding_window=False,
+        )
+    elif arch == "qwen2_moe":  # a shared expert behind its sigmoid gate, top 2 not renormalized
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            use_sliding_window=False,
+        )
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
