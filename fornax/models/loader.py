@@ -25,6 +25,14 @@ from tqdm import tqdm
 from fornax.config import ConfigError, ModelConfig
 from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from fornax.layers.dequantize import dequantize
+from fornax.models.gguf_blocks import INT4_BLOCK_TYPES, q4_blocks, q4k_blocks
+from fornax.models.gguf_moe import (
+    GGUF_MOE_LAYER_NAMES,
+    expert_hf_name,
+    gguf_moe_config,
+    merged_experts,
+    moe_expected_shape,
+)
 from fornax.models.moe import moe_layer_names
 from fornax.models.sharding import Cut, take_cut
 
@@ -39,6 +47,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
 }
 # What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
 # attends globally, the others within the window, with RoPE base 10,000 on those.
@@ -212,6 +222,10 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling {_short(scaling_type)} in GGUF")
     try:
+        moe = gguf_moe_config(metadata, arch, layers, _meta_int)  # None for a dense file
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
         return ModelConfig(
             architecture=hf_arch,
             vocab_size=_gguf_vocab_size(metadata, arch),
@@ -229,6 +243,7 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             attention_bias=has_bias,
             qk_norm=qk_norm,
             name=name,
+            moe=moe,
             **(_gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
         )
     except ConfigError as exc:
@@ -261,7 +276,7 @@ def _unpermute_rows(w: ArrayOrTensor, n_heads: int) -> ArrayOrTensor:
 def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES | GGUF_MOE_LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
@@ -273,53 +288,6 @@ def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
 _FILE_QUANTIZATION = dict.fromkeys(("Q4_0", "Q4_1", "Q4_K"), "int4") | dict.fromkeys(
     ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"), "int8"
 )
-
-
-def _q4_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of packed Q4_0 / Q4_1 blocks -> (q [rows, cols] uint8, scale, zero [rows, cols / 32]).
-
-    A block is an f16 scale d (Q4_1: then an f16 minimum m) and 16 bytes holding 32 4-bit
-    values: the low nibbles are elements 0-15, the high nibbles elements 16-31 (ggml's layout)."""
-    header = 4 if type_name == "Q4_1" else 2
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, header + 16)
-    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
-    packed = blocks[..., header:]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
-        return q, d, m + 8.0 * d
-    return q, d, np.zeros_like(d)
-
-
-def _q4k_blocks(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of Q4_K super-blocks -> the same (q, scale, zero) form per 32 values as _q4_blocks.
-
-    A super-block of 256 values is f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales sc and
-    minimums mn (eight of each, bit-packed), then 128 bytes of 4-bit q: each 32 bytes hold two
-    sub-blocks, the low nibbles the first, the high nibbles the second. Value = d * sc * q -
-    dmin * mn, which is (q - 8) * scale + zero with scale = d * sc, zero = 8 * scale - dmin * mn:
-    the int4 kernels' form, the 4-bit values unchanged."""
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, 144)
-    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)[..., None]  # [rows, nb, 1]
-    dmin = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)[..., None]
-    packed_scales = blocks[..., 4:16].astype(np.uint8)
-    low, high = packed_scales[..., 0:4], packed_scales[..., 4:8]
-    tail = packed_scales[..., 8:12]
-    # sub-blocks 0-3: low 6 bits of bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7: the nibbles
-    # of bytes 8-11, with their top two bits from the top of bytes 0-3 (scale) and 4-7 (min)
-    sc = np.concatenate([low & 63, (tail & 0x0F) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
-    mn = np.concatenate([high & 63, (tail >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
-    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 pairs of sub-blocks, 32 bytes each
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)  # [rows, cols]
-    scale = (d * sc).reshape(rows, -1)  # [rows, cols / 32]
-    minimum = (dmin * mn).reshape(rows, -1)
-    return q, scale, 8.0 * scale - minimum
-
-
-# GGUF types whose blocks the int4 kernels take as they are (the 4-bit values, per-32 scales)
-_INT4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def read_cut(t: GGUFTensor, cut: Cut | None) -> tuple[np.ndarray, Cut | None]:
@@ -382,6 +350,11 @@ def _weights_from_gguf(
         if t.type_name not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(f"tensor {t.name[:64]!r} has unsupported GGUF quant type {t.type_name}")
     config = gguf_model_config(metadata, name=path.stem)
+    if config.moe is not None:  # the layers with a router are sparse; any other keeps a dense MLP
+        sparse = sorted(
+            {int(t.name.split(".")[1]) for t in gguf_file.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+        )
+        config = replace(config, moe=replace(config.moe, sparse_layers=tuple(sparse)))
     _check_gguf_shapes(config, gguf_file)
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]
@@ -398,34 +371,42 @@ def _weights_from_gguf(
         if t.name == "rope_freqs.weight":
             freq_factors = dequantize(t.data, t.qtype, torch.float32)
             continue
-        hf_name = _gguf_to_hf_name(t.name, arch)
-        assert hf_name is not None  # _check_gguf_shapes refused any other name
-        raw, cut_after = read_cut(t, cuts.get(hf_name))
-        # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w (subtracted in float32)
-        plus_one = arch == "gemma3" and hf_name.endswith("norm.weight")
-        tensor = dequantize(raw, t.qtype, torch.float32 if plus_one else dtype)  # HF (row-major) shape
-        if cut_after is not None:
-            tensor = take_cut(tensor, cut_after)
-        if plus_one:
-            tensor = (tensor - 1.0).to(dtype)
-        if hf_name == "model.embed_tokens.weight":
-            embedding_rows = t
-        heads = None  # per head, so a rank's whole heads unpermute alone
-        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = tensor.shape[0] // config.head_dim
-        if heads is not None:
-            tensor = _unpermute_rows(tensor, heads)
-        if t.type_name in _FILE_QUANTIZATION:
-            file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
-        if keep_int4_blocks and t.type_name in _INT4_BLOCK_TYPES and len(t.shape) == 2:
-            parts = _q4k_blocks(raw) if t.type_name == "Q4_K" else _q4_blocks(raw, t.type_name)
+        merged = merged_experts(t.name)
+        if merged is not None:  # every expert of a layer in one 3-D tensor: one HF tensor each
+            pieces = [(expert_hf_name(merged[0], e, merged[1]), t.data[e], None) for e in range(t.shape[0])]
+        else:
+            hf_name = _gguf_to_hf_name(t.name, arch)
+            assert hf_name is not None  # _check_gguf_shapes refused any other name
+            pieces = [(hf_name, *read_cut(t, cuts.get(hf_name)))]
+        matrix = len(t.shape) - (merged is not None) == 2
+        for hf_name, raw, cut_after in pieces:
+            # llama.cpp stores Gemma's norm weights as 1 + w; HF holds w (subtracted in float32)
+            plus_one = arch == "gemma3" and hf_name.endswith("norm.weight")
+            tensor = dequantize(raw, t.qtype, torch.float32 if plus_one else dtype)  # HF (row-major) shape
             if cut_after is not None:
-                parts = _cut_blocks(parts, cut_after)
-            if heads is not None:  # the same row order as the dequantized weight
-                parts = tuple(_unpermute_rows(x, heads) for x in parts)
-            q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)
-            int4_blocks[hf_name] = Int4Blocks(q=q, scale=scale, zero=zero)
-        tensors[hf_name] = tensor.contiguous()
+                tensor = take_cut(tensor, cut_after)
+            if plus_one:
+                tensor = (tensor - 1.0).to(dtype)
+            if hf_name == "model.embed_tokens.weight":
+                embedding_rows = t
+            heads = None  # per head, so a rank's whole heads unpermute alone
+            if permuted and hf_name.endswith(
+                ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+            ):
+                heads = tensor.shape[0] // config.head_dim
+            if heads is not None:
+                tensor = _unpermute_rows(tensor, heads)
+            if t.type_name in _FILE_QUANTIZATION:
+                file_quantization[hf_name] = _FILE_QUANTIZATION[t.type_name]
+            if keep_int4_blocks and t.type_name in INT4_BLOCK_TYPES and matrix:
+                parts = q4k_blocks(raw) if t.type_name == "Q4_K" else q4_blocks(raw, t.type_name)
+                if cut_after is not None:
+                    parts = _cut_blocks(parts, cut_after)
+                if heads is not None:  # the same row order as the dequantized weight
+                    parts = tuple(_unpermute_rows(x, heads) for x in parts)
+                q, scale, zero = (torch.from_numpy(np.ascontiguousarray(x)) for x in parts)
+                int4_blocks[hf_name] = Int4Blocks(q=q, scale=scale, zero=zero)
+            tensors[hf_name] = tensor.contiguous()
     tied = "lm_head.weight" not in tensors
     scaling = config.rope_scaling
     if freq_factors is not None:  # Llama 3.x: llama.cpp stores the per-frequency divisors
@@ -451,7 +432,10 @@ def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
         shapes |= {f"self_attn.{proj}_proj.weight": (out, hidden), f"self_attn.{proj}_proj.bias": (out,)}
     shapes |= {"self_attn.o_proj.weight": (hidden, q), "mlp.down_proj.weight": (hidden, ffn)}
     shapes |= {"mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden)}
-    return shapes[part]
+    expected = shapes.get(part) or (moe_expected_shape(c.moe, hidden, part) if c.moe is not None else None)
+    if expected is None:  # an expert tensor in a file whose metadata declares no experts
+        raise ModelLoadError(f"unexpected tensor {hf_name[:64]!r} for this model's metadata")
+    return expected
 
 
 def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
@@ -461,7 +445,9 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
         if t.name == "rope_freqs.weight":
             expected: tuple[int, ...] = (config.head_dim // 2,)
         else:
-            hf_name = _gguf_to_hf_name(t.name, gguf_file.metadata.get("general.architecture", ""))
+            merged = merged_experts(t.name)  # checked whole, by its GGUF name
+            arch = gguf_file.metadata.get("general.architecture", "")
+            hf_name = _gguf_to_hf_name(t.name, arch) if merged is None else f"model.layers.{t.name[4:]}"
             if hf_name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name[:64]!r} in a {config.architecture} GGUF")
             layer = re.match(r"model\.layers\.(\d+)\.", hf_name)

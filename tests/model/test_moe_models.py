@@ -2,7 +2,8 @@
 dense layer among sparse ones) against transformers on tiny random models built here: the
 config's routing, fp32 logits within 1e-3, 32 greedy tokens identical for prompts batched
 together, routing ties broken as transformers breaks them, and the quantized forms running
-on every expert (models/moe.py)."""
+on every expert (models/moe.py); then the same models as llama.cpp-style GGUF files, experts
+merged per layer (models/gguf_moe.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from fornax import LLM, SamplingParams
 from fornax.config import ConfigError
 from fornax.layers.attention import SeqSpan, build_attention_metadata
+from fornax.layers.linear import BlockInt4
 from fornax.models import ModelLoadError
 from fornax.models.moe import SparseMoE
 from tests.hf_reference import greedy_disagreement
@@ -132,3 +134,191 @@ def test_modes_not_supported_yet_are_refused_by_name(tiny):
         (ConfigError, ModelLoadError, ValueError), match="mixture-of-experts model runs in one process"
     ):
         LLM(str(src), dtype="float32", tensor_parallel_size=2, num_blocks=16, progress=False)
+
+
+# -- the same models as llama.cpp-style GGUF files (gguf's writer, llama.cpp's names) --
+
+_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+_PLAIN = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **{f"self_attn.{p}_proj.bias": f"attn_{p}.bias" for p in "qkv"},
+}
+
+
+def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_expert: bool = False) -> dict:
+    """The saved checkpoint as llama.cpp's converter lays it out: experts merged per layer into
+    3-D tensors, the shared expert's gate 1-D, Q/K permuted for the `llama` architecture.
+    Returns what each written tensor dequantizes to, by GGUF name."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    from tests.model.test_gguf_loading import _GGUF_NAMES, _LAYER_NAMES, _llama_cpp_permute
+
+    arch, cfg = _GGUF_ARCH[src.name.rstrip("0123456789")], hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))  # Mixtral's is 1e6
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(expert_used or cfg.num_experts_per_tok)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    merged: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        w = tensor.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            out[_GGUF_NAMES[name]] = w
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        e = re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", rest)
+        if e:
+            merged.setdefault((layer, _EXPERT_PARTS[e.group(2)]), {})[int(e.group(1))] = w
+            continue
+        if rest == "mlp.shared_expert_gate.weight":
+            w = w.reshape(-1)
+        if arch == "llama" and rest.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
+            w = _llama_cpp_permute(w, heads)
+        out[f"blk.{layer}.{_PLAIN.get(rest) or _LAYER_NAMES[rest]}"] = w
+    for (layer, part), per_expert in merged.items():
+        kept = experts - 1 if drop_expert and part == "down" else experts  # a file short of one expert
+        out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([per_expert[i] for i in range(kept)])
+    written = {}
+    for name, w in out.items():
+        if w.ndim >= 2 and qtype != Q.F32 and "ffn_gate_inp" not in name:
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            written[name] = gguf.quants.dequantize(data, qtype)
+        else:
+            writer.add_tensor(name, w)
+            written[name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def llm_moe(tiny):
+    return tiny[2].engine.model_config.moe
+
+
+def test_gguf_f32_matches_transformers(tiny, tmp_path):
+    from fornax.models import load_model
+    from fornax.models.base import KVCache
+
+    arch, hf, _llm, src = tiny
+    from gguf import GGMLQuantizationType as Q
+
+    path = tmp_path / f"{arch}.gguf"
+    _write_moe_gguf(src, hf, path, Q.F32)
+    loaded = load_model(path, "float32", progress=False)
+    moe, want = loaded.config.moe, llm_moe(tiny)
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.sparse_layers) == (
+        want.num_experts,
+        want.top_k,
+        want.sparse_layers,
+    )
+    ids = PROMPTS[1]
+    cache = KVCache(loaded.config, 8, 16, torch.float32)
+    with torch.inference_mode():
+        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16)
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
+        )
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0"])
+def test_gguf_quantized_experts_split_block_for_block(tiny, tmp_path, qtype_name):
+    """Each expert's slice of a merged quantized tensor dequantizes to exactly gguf's values,
+    and with quantization "auto" every expert takes its form from the file's own blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from fornax.models import load_model
+    from fornax.models.loader import load_gguf
+
+    arch, hf, _llm, src = tiny
+    path = tmp_path / f"{arch}-{qtype_name}.gguf"
+    written = _write_moe_gguf(src, hf, path, Q[qtype_name])
+    weights = load_gguf(path, torch.float32, progress=False, keep_int4_blocks=True)
+    moe = weights.config.moe
+    assert moe is not None
+    for layer in moe.sparse_layers:
+        for part in ("gate", "up", "down"):
+            merged = written[f"blk.{layer}.ffn_{part}_exps.weight"]
+            for e in range(moe.num_experts):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                assert np.array_equal(weights.tensors[name].numpy(), merged[e]), name
+                assert weights.file_quantization[name] == ("int4" if qtype_name == "Q4_0" else "int8")
+                assert (name in weights.int4_blocks) == (qtype_name == "Q4_0")
+    dense = load_model(path, "float32", progress=False)  # the file's values, dense
+    native = load_model(path, "float32", progress=False, small_step=("auto", 8))
+    blocks = [m for m in native.model.modules() if isinstance(m, SparseMoE)]
+    dense_blocks = [m for m in dense.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and len(blocks) == len(dense_blocks)
+    for block, dense_block in zip(blocks, dense_blocks):
+        for expert, dense_expert in zip(block.experts, dense_block.experts):
+            for name in ("gate_up_proj", "down_proj"):
+                form, w = getattr(expert, name).small, getattr(dense_expert, name).weight
+                assert form is not None and form.quantized
+                err = (form.dequantize() - w).abs().max().item()
+                if qtype_name == "Q4_0" and isinstance(form, BlockInt4):  # the file's blocks as they are
+                    assert err <= 1e-6 * w.abs().max().item(), err
+                elif qtype_name == "Q4_0":  # torch's int4 form (a 32-wide expert): bf16 scales
+                    assert err <= w.abs().max().item() * 2**-7, err
+                else:  # Q8_0's blocks requantized per row: within one int8 step
+                    assert err <= w.abs().max().item() / 127, err
+
+
+def test_malformed_moe_gguf_is_one_clear_error(tiny, tmp_path):
+    from gguf import GGMLQuantizationType as Q
+
+    from fornax.models.loader import load_gguf
+
+    _arch, hf, llm, src = tiny
+    experts = llm.engine.model_config.moe.num_experts
+    path = tmp_path / "too-many-used.gguf"
+    _write_moe_gguf(src, hf, path, Q.F32, expert_used=experts + 1)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok must be in"):
+        load_gguf(path, torch.float32, progress=False)
+    path = tmp_path / "short.gguf"
+    _write_moe_gguf(src, hf, path, Q.F32, drop_expert=True)
+    with pytest.raises(ModelLoadError, match=r"ffn_down_exps.weight has shape .* the metadata implies"):
+        load_gguf(path, torch.float32, progress=False)

@@ -22,7 +22,7 @@ from fornax.layers.kernel_plan import FormRequest
 from fornax.layers.linear import BlockInt4, BlockInt8, Int4Grouped, Int8PerChannel, Linear
 from fornax.layers.native import load_quant_matmul
 from fornax.models import load_model
-from fornax.models.loader import _q4_blocks, _q4k_blocks
+from fornax.models.gguf_blocks import q4_blocks, q4k_blocks
 from fornax.quality.perplexity import CorpusError, load_corpus, perplexity
 
 ALL_ROWS = 1 << 30  # small_step_max_rows that sends every step through the quantized kernels
@@ -79,7 +79,7 @@ def test_q4_blocks_unpack_to_what_gguf_dequantizes(type_name):
     qtype = GGMLQuantizationType[type_name]
     w = _weight(16, 128, seed=3).float().numpy()
     packed = quantize(w, qtype)
-    q, scale, zero = _q4_blocks(packed, type_name)
+    q, scale, zero = q4_blocks(packed, type_name)
     recon = (q.astype(np.float32) - 8).reshape(16, -1, 32) * scale[..., None] + zero[..., None]
     np.testing.assert_array_equal(recon.reshape(16, 128), dequantize(packed, qtype))
     form = Int4Grouped.from_blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), 32)
@@ -98,7 +98,7 @@ def test_q4k_blocks_unpack_to_what_gguf_dequantizes():
     raw = g.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
     raw[..., 0:4] = g.uniform(1e-4, 2e-2, size=(rows, cols // 256, 2)).astype("<f2").view(np.uint8)
     raw = raw.reshape(rows, -1)
-    q, scale, zero = _q4k_blocks(raw)
+    q, scale, zero = q4k_blocks(raw)
     recon = (q.astype(np.float32) - 8).reshape(rows, -1, 32) * scale[..., None] + zero[..., None]
     ref = dequantize(raw, GGMLQuantizationType.Q4_K)
     # equal up to float32 rounding of the rearranged sum; a 4-bit value off by one would be off
@@ -108,7 +108,7 @@ def test_q4k_blocks_unpack_to_what_gguf_dequantizes():
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_auto_uses_the_default_models_own_q4_blocks(default_gguf, backend):
+def test_auto_uses_the_default_models_ownq4_blocks(default_gguf, backend):
     if backend == "native" and load_quant_matmul() is None:
         pytest.skip("no AVX-512 VNNI or no C compiler: the torch forms are used")
     loaded = load_model(
