@@ -1,7 +1,7 @@
 """Frozen configs: the only home of defaults and validation, split by owner (docs/architecture.md):
 common (the default model, ConfigError, memory sizes), environment (every environment variable
-and the machine), engine (EngineConfig and its parts), pooling (how a model embeds), lora (the
-adapters over it), keys (API keys, rate limits) and server (ServerConfig). What is learned
+and the machine), model (a model's architecture; moe: its experts), engine (EngineConfig and its
+parts), pooling (how a model embeds), lora (the adapters over it), keys (API keys, rate limits) and server (ServerConfig). What is learned
 later (for example the number of KV blocks after sizing the pool) comes back as a new object via
 `dataclasses.replace`, never by mutation (rule 5).
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from fornax.config.common import DEFAULT_MODEL, ConfigError, GiB, parse_memory_size
 from fornax.config.engine import (
-    ACTIVATIONS,
     DTYPES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
@@ -31,7 +30,6 @@ from fornax.config.engine import (
     SPEC_METHODS,
     CacheConfig,
     EngineConfig,
-    ModelConfig,
     OffloadConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -59,6 +57,7 @@ from fornax.config.keys import (
     load_key_limits,
 )
 from fornax.config.lora import LoRAConfig, check_adapter_name, parse_adapter_flag
+from fornax.config.model import ACTIVATIONS, ModelConfig
 from fornax.config.moe import MAX_EXPERTS, MOE_NAMINGS, MoEConfig
 from fornax.config.pooling import POOLING_TYPES, PoolingConfig
 from fornax.config.server import ServedModelConfig, ServerConfig

@@ -43,8 +43,8 @@ from fornax.models.sharding import (
 )
 
 # HF architecture name -> implementation. The Llama family shares one implementation
-# whose config switches cover Mistral, Qwen2/3 and their mixture-of-experts siblings (Mixtral,
-# Qwen2-MoE, Qwen3-MoE: models/moe.py); Gemma 3 reuses its
+# whose config switches cover Mistral, Qwen2/3 and the mixture-of-experts families (Mixtral,
+# Qwen2-MoE, Qwen3-MoE, OLMoE: models/moe.py); Gemma 3 reuses its
 # layers in a decoder of its own (models/gemma3.py). BERT is an encoder: it serves pooling
 # (embedding) requests only (models/bert.py), or with a classifier head scores text pairs as a
 # cross-encoder (models/bert_classifier.py).
@@ -58,6 +58,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 

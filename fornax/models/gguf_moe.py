@@ -1,5 +1,5 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them (Mixtral as `llama` with
-experts, `qwen2moe`, `qwen3moe`): the routing from the metadata, and the names and shapes of
+experts, `qwen2moe`, `qwen3moe`, `olmoe`): the routing from the metadata, and the names and shapes of
 the expert tensors in HF's per-expert vocabulary (models/moe.py; docs/models.md).
 
 llama.cpp merges each layer's experts into one 3-D tensor per projection (`ffn_gate_exps`:
@@ -16,8 +16,9 @@ from typing import Any
 from fornax.config import ConfigError, MoEConfig
 
 # What llama.cpp's graph does with the top-k weights, per architecture: renormalized for
-# Mixtral and Qwen3-MoE, not for Qwen2-MoE (its build_moe_ffn calls). The files do not say.
-GGUF_MOE_NORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE (its build_moe_ffn calls). The files do
+# not say.
+GGUF_MOE_NORMALIZES = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
 # one tensor per layer -> its HF name after "model.layers.N."
 GGUF_MOE_LAYER_NAMES = {
@@ -45,7 +46,8 @@ def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int, meta_int: 
     if arch not in GGUF_MOE_NORMALIZES or not metadata.get(p + "expert_count"):
         return None
     experts = meta_int(metadata, p + "expert_count", MAX_EXPERTS)
-    width_key = p + ("feed_forward_length" if arch == "llama" else "expert_feed_forward_length")
+    # Mixtral's and OLMoE's experts are the feed-forward width (neither has a dense MLP)
+    width_key = p + ("feed_forward_length" if arch in ("llama", "olmoe") else "expert_feed_forward_length")
     shared = 0
     if arch == "qwen2moe" and metadata.get(p + "expert_shared_feed_forward_length"):
         shared = meta_int(metadata, p + "expert_shared_feed_forward_length", 1 << 20)

@@ -29,7 +29,7 @@ from fornax.models.sharding import take_cut
 GATED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 SUPPORTED_HF_ARCHITECTURES = {
     f"{family}ForCausalLM"
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe")
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "Olmoe")
 }
 
 
@@ -85,6 +85,8 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             or bool(raw.get("attention_bias", False))
             or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm_whole=arch == "OlmoeForCausalLM",
+            clip_qkv=raw.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             hidden_act=act,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             name=hf_dir.name,
@@ -108,7 +110,7 @@ def _moe_hf_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
             sparse_layers=tuple(range(layers)),
             naming="mixtral",
         )
-    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         return None
     experts = int(
         raw.get("num_experts") or raw.get("num_local_experts") or 0
@@ -121,7 +123,8 @@ def _moe_hf_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
     return MoEConfig(
         num_experts=experts,
         top_k=int(raw.get("num_experts_per_tok", 2)),
-        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        # OLMoE's experts are intermediate_size wide (it has no dense MLP)
+        expert_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
         normalize_top_k=bool(raw.get("norm_topk_prob", False)),
         sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
         shared_expert_intermediate_size=shared,

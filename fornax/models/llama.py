@@ -39,8 +39,13 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.whole_qk_norm, self.clip = config.qk_norm_whole, config.clip_qkv
+        q_width, k_width = (
+            (self.q_size, self.kv_size) if self.whole_qk_norm else (self.head_dim, self.head_dim)
+        )
+        norms = config.qk_norm or self.whole_qk_norm
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if norms else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if norms else None
         self.scale = self.head_dim**-0.5
         self.ops: LayerOps = TORCH_OPS  # set by LlamaForCausalLM.use_ops
 
@@ -56,7 +61,13 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, hkv, d)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before RoPE
+        if self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # OLMoE: over each whole projection, [T, q] / [T, kv]
+            if self.clip is not None:
+                q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
+            q = self.ops.rotary_(q.contiguous(), h, cos, sin)  # [T, H, D]
+            k = self.ops.rotary_(k.contiguous(), hkv, cos, sin)  # [T, Hkv, D]
+        elif self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before RoPE
             q = self.ops.rotary_(self.q_norm(q.view(t, h, d)).view(t, -1), h, cos, sin)  # [T, H, D]
             k = self.ops.rotary_(self.k_norm(k.view(t, hkv, d)).view(t, -1), hkv, cos, sin)  # [T, Hkv, D]
         else:  # Q and K heads are adjacent in each row: one call rotates both

@@ -49,6 +49,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
     "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
+    "olmoe": ("OlmoeForCausalLM", False, False, False),  # Q/K norms over whole projections
 }
 # What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
 # attends globally, the others within the window, with RoPE base 10,000 on those.
@@ -242,6 +243,8 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             tie_word_embeddings=False,  # decided from the tensors present
             attention_bias=has_bias,
             qk_norm=qk_norm,
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=metadata.get(p + "attention.clamp_kqv") if arch == "olmoe" else None,
             name=name,
             moe=moe,
             **(_gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
@@ -426,7 +429,8 @@ def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
     norms = "model.norm input_layernorm post_attention_layernorm pre_feedforward_layernorm "
     norms += "post_feedforward_layernorm"
     shapes = {f"{name}.weight": (hidden,) for name in norms.split()}
-    shapes |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    q_norm, k_norm = ((q,), (kv,)) if c.qk_norm_whole else ((c.head_dim,), (c.head_dim,))
+    shapes |= {"self_attn.q_norm.weight": q_norm, "self_attn.k_norm.weight": k_norm}
     shapes |= {"model.embed_tokens.weight": (c.vocab_size, hidden), "lm_head.weight": (c.vocab_size, hidden)}
     for proj, out in (("q", q), ("k", kv), ("v", kv)):
         shapes |= {f"self_attn.{proj}_proj.weight": (out, hidden), f"self_attn.{proj}_proj.bias": (out,)}

@@ -1,9 +1,9 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE with a
-dense layer among sparse ones) against transformers on tiny random models built here: the
-config's routing, fp32 logits within 1e-3, 32 greedy tokens identical for prompts batched
-together, routing ties broken as transformers breaks them, and the quantized forms running
-on every expert (models/moe.py); then the same models as llama.cpp-style GGUF files, experts
-merged per layer (models/gguf_moe.py)."""
+"""Mixture-of-experts families against transformers on tiny random models built here:
+Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE with a dense layer among sparse ones,
+OLMoE with whole-projection Q/K norms and clipped values. The config's routing, fp32 logits
+within 1e-3, 32 greedy tokens identical for prompts batched together, routing ties broken as
+transformers breaks them, the quantized forms running on every expert (models/moe.py); then
+the same models as llama.cpp-style GGUF files, experts merged per layer (models/gguf_moe.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from fornax.models.moe import SparseMoE
 from tests.hf_reference import greedy_disagreement
 from tests.model.tiny_models import build_tiny_model
 
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 PROMPTS = [[5, 17, 99, 200, 31, 7], [3] * 3 + list(range(40, 80)), [250], list(range(300, 340, 3))]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -50,6 +50,7 @@ def test_routing_config_mapped(tiny):
         "mixtral": (4, 2, True, (0, 1), 0),
         "qwen2_moe": (6, 2, False, (0, 1), 96),
         "qwen3_moe": (8, 3, True, (0,), 0),  # layer 1 is in mlp_only_layers
+        "olmoe": (8, 2, False, (0, 1), 0),
     }[arch]
     got = (
         moe.num_experts,
@@ -138,7 +139,7 @@ def test_modes_not_supported_yet_are_refused_by_name(tiny):
 
 # -- the same models as llama.cpp-style GGUF files (gguf's writer, llama.cpp's names) --
 
-_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _EXPERT_PARTS = {
     "gate_proj": "gate",
     "up_proj": "up",
@@ -190,10 +191,12 @@ def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_e
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     writer.add_expert_count(experts)
     writer.add_expert_used_count(expert_used or cfg.num_experts_per_tok)
-    if arch != "llama":
+    if arch not in ("llama", "olmoe"):
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "olmoe":
+        writer.add_clamp_kqv(cfg.clip_qkv)
     merged: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
@@ -322,3 +325,25 @@ def test_malformed_moe_gguf_is_one_clear_error(tiny, tmp_path):
     _write_moe_gguf(src, hf, path, Q.F32, drop_expert=True)
     with pytest.raises(ModelLoadError, match=r"ffn_down_exps.weight has shape .* the metadata implies"):
         load_gguf(path, torch.float32, progress=False)
+
+
+def test_prefix_cache_chunked_prefill_and_speculation_keep_the_tokens(tiny):
+    """The engine's paths that change how tokens reach the model (prefill in 16-token chunks,
+    cached prefixes, n-gram drafts verified k + 1 at a time) give the plain run's tokens."""
+    _arch, _hf, llm, src = tiny
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    other = LLM(
+        str(src),
+        dtype="float32",
+        num_blocks=64,
+        progress=False,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        speculative_config={**spec, "row_cost": 0.0, "draft_cost": 0.0},
+    )
+    for _ in range(2):  # the second run's prompts are served from the prefix cache
+        outs = other.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[1].num_cached_tokens > 0 and other.engine.stats().spec_num_draft_tokens_total > 0
+    other.engine.check_integrity()

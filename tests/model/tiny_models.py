@@ -125,6 +125,10 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
             norm_topk_prob=False,
             use_sliding_window=False,
         )
+    elif arch == "olmoe":  # Q/K norms over whole projections, values clipped, top 2 unnormalized
+        config = transformers.OlmoeConfig(
+            **{**common, "num_key_value_heads": 4}, num_experts=8, num_experts_per_tok=2, clip_qkv=2.5
+        )
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
