@@ -21,7 +21,48 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"unsupported RoPE scaling {kind!r}")
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for every other rule): its `attention_factor`, or
+    0.1 ln(factor) + 1, or the ratio of two such with `mscale` and `mscale_all_dim` (DeepSeek's)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN (as transformers computes it, for Qwen2.5/Qwen3's long contexts): frequencies that
+    turn fewer than beta_slow times over the original context are divided by `factor`, those
+    that turn more than beta_fast times are kept, and a linear ramp blends the dimensions between."""
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -53,21 +94,25 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim // 2] float32
+        self.attention_factor = rope_attention_factor(scaling)  # YaRN's; 1 otherwise
         if precompute:
             emb = self._angles(torch.arange(max_positions, dtype=torch.int64))  # [max_positions, head_dim]
-            self.register_buffer("cos", emb.cos(), persistent=False)
-            self.register_buffer("sin", emb.sin(), persistent=False)
+            self.register_buffer("cos", self._scaled(emb.cos()), persistent=False)
+            self.register_buffer("sin", self._scaled(emb.sin()), persistent=False)
         self.precompute = precompute
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
         freqs = torch.outer(positions.float(), self.inv_freq)  # [T, head_dim // 2]
         return torch.cat((freqs, freqs), dim=-1)
 
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.attention_factor == 1.0 else x * self.attention_factor
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cos/sin [num_tokens, head_dim], made once per step and shared by all layers."""
         if not self.precompute:
             emb = self._angles(positions)
-            return emb.cos().to(dtype), emb.sin().to(dtype)
+            return self._scaled(emb.cos()).to(dtype), self._scaled(emb.sin()).to(dtype)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 

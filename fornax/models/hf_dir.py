@@ -63,8 +63,10 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
     rope = dict(rope_parameters or raw.get("rope_scaling") or {})
     rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(f"unsupported rope_type {rope_type!r}")
+    if rope_type == "yarn":  # transformers takes the trained context from the config when absent
+        rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
     heads = int(raw["num_attention_heads"])
     try:
         return ModelConfig(

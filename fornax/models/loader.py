@@ -220,6 +220,13 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
     scaling_type = metadata.get(p + "rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": _meta_float(metadata, p + "rope.scaling.factor")}
+    elif scaling_type == "yarn":  # Qwen2.5/Qwen3 long contexts, as llama.cpp's converter writes them
+        original = _meta_int(metadata, p + "rope.scaling.original_context_length", MAX_CONTEXT_LENGTH)
+        rope_scaling = {"rope_type": "yarn", "factor": _meta_float(metadata, p + "rope.scaling.factor")}
+        rope_scaling["original_max_position_embeddings"] = original
+        for key in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's (32, 1) when absent
+            if p + f"rope.scaling.yarn_{key}" in metadata:
+                rope_scaling[key] = _meta_float(metadata, p + f"rope.scaling.yarn_{key}")
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported RoPE scaling {_short(scaling_type)} in GGUF")
     try:

@@ -46,8 +46,11 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama") -> dict[str, np.ndarray]:
-    """Write a tiny HF Llama as a llama.cpp-style GGUF; returns the dequantized reference of each tensor."""
+def write_llama_gguf(
+    hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama", yarn: dict | None = None
+) -> dict[str, np.ndarray]:
+    """Write a tiny HF Llama as a llama.cpp-style GGUF; returns the dequantized reference of each
+    tensor. yarn: YaRN's factor and trained context, as llama.cpp's converter writes them."""
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -57,6 +60,10 @@ def write_llama_gguf(hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama"
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
+    if yarn is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(yarn["factor"])
+        writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     reference = {}
@@ -103,6 +110,42 @@ def test_permuted_f32_gguf_matches_transformers(tiny_llama, tmp_path):
             loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
         )
         ref = tiny_llama(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_yarn_gguf_matches_transformers_past_the_trained_context(tmp_path):
+    """GGUF's rope.scaling.* keys for YaRN (type, factor, original context) give transformers'
+    logits at positions 16-39, past the 16 positions the model is said to be trained on."""
+    import transformers
+
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn},
+    )
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.15 * torch.randn_like(p))
+    path = tmp_path / "yarn.gguf"
+    write_llama_gguf(hf, path, yarn=yarn)
+    loaded = load_model(path, "float32", progress=False)
+    assert loaded.config.rope_scaling == {"rope_type": "yarn", **yarn}
+    ids = list(range(3, 43))
+    cache = KVCache(loaded.config, 4, 16, torch.float32)
+    with torch.inference_mode():
+        meta = build_attention_metadata([SeqSpan(0, len(ids), [1, 3, 0])], 16)
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
+        )
+        ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
 
 

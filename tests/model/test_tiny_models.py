@@ -11,7 +11,7 @@ from fornax.layers.native import load_paged_attention
 from fornax.models.base import CausalLM, KVCache
 from tests.model.tiny_models import build_tiny_model
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "qwen3_yarn", "gemma3"]
 PROMPTS = [
     [5, 17, 99, 200, 31, 7],
     [3] * 3 + list(range(40, 80)),  # longer than Mistral's sliding window once generated
@@ -31,7 +31,7 @@ def test_config_mapped(tiny):
     arch, _hf, llm = tiny
     assert isinstance(llm.engine.runner.model, CausalLM)  # the interface the engine calls
     cfg = llm.engine.model_config
-    assert cfg.qk_norm == (arch in ("qwen3", "gemma3"))
+    assert cfg.qk_norm == (arch in ("qwen3", "qwen3_yarn", "gemma3"))
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_word_embeddings == (arch in ("llama3", "gemma3"))
     if arch == "gemma3":

@@ -102,6 +102,18 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         )
+    elif arch == "qwen3_yarn":  # YaRN as Qwen3's long-context configs give it; every prompt runs past 16
+        config = transformers.Qwen3Config(
+            **common,
+            head_dim=32,
+            use_sliding_window=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
     elif arch == "mixtral":  # 4 experts of intermediate_size, top 2, renormalized
         config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     elif arch == "qwen3_moe":  # 8 small experts, top 3 renormalized; layer 1 keeps a dense MLP
