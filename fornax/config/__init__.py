@@ -1,9 +1,10 @@
 """Frozen configs: the only home of defaults and validation, split by owner (docs/architecture.md):
 common (the default model, ConfigError, memory sizes), environment (every environment variable
-and the machine), model (a model's architecture; moe: its experts), engine (EngineConfig and its
-parts), pooling (how a model embeds), lora (the adapters over it), keys (API keys, rate limits) and server (ServerConfig). What is learned
-later (for example the number of KV blocks after sizing the pool) comes back as a new object via
-`dataclasses.replace`, never by mutation (rule 5).
+and the machine), model (a model's architecture; moe: its experts), engine (EngineConfig and
+its parts), pooling (how a model embeds), lora (the adapters over it), keys (API keys, rate
+limits) and server (ServerConfig). What is learned later (for example the number of KV blocks
+after sizing the pool) comes back as a new object via `dataclasses.replace`, never by
+mutation (rule 5).
 
 Every public name is importable from `fornax.config` itself.
 """

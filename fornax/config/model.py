@@ -33,6 +33,8 @@ class ModelConfig:
     # OLMoE: RMSNorm over the whole Q and K projections (before the split into heads), and
     # optionally every Q, K and V value clamped to [-clip_qkv, clip_qkv] after it.
     qk_norm_whole: bool = False
+    # Phi-3: the checkpoint holds Q/K/V as one qkv_proj and gate/up as one gate_up_proj tensor
+    fused_projections: bool = False
     clip_qkv: float | None = None
     hidden_act: str = "silu"
     sliding_window: int | None = None

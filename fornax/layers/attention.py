@@ -88,6 +88,9 @@ class AttentionMetadata:
     # A model that interleaves sliding-window layers with full-attention ones (Gemma 3): the
     # same step under the window, for its sliding layers; this metadata serves the others.
     sliding: AttentionMetadata | None = None
+    # [num_tokens] each token's sequence length after this step: LongRoPE picks its factors by
+    # it, as transformers does per forward call (layers/rotary.py)
+    seq_lens: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -137,7 +140,10 @@ def build_attention_metadata(
     groups = [
         _build_group(spans, idx, offsets, block_size, sliding_window) for idx in (decode, prefill) if idx
     ]
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, kernel_rows=kernel_rows, kernel=kernel)
+    seq_lens = torch.from_numpy(np.repeat([s.start + s.num_new for s in spans], [s.num_new for s in spans]))
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, groups=groups, kernel_rows=kernel_rows, kernel=kernel, seq_lens=seq_lens
+    )
 
 
 def _build_kernel_rows(

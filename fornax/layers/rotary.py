@@ -23,17 +23,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if kind == "longrope":  # the short factors; RotaryEmbedding keeps the long ones beside them
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     raise ValueError(f"unsupported RoPE scaling {kind!r}")
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (1 for every other rule): its `attention_factor`, or
-    0.1 ln(factor) + 1, or the ratio of two such with `mscale` and `mscale_all_dim` (DeepSeek's)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (1 for every other rule): the given
+    `attention_factor`; else YaRN's 0.1 ln(factor) + 1 (or the ratio of two such with `mscale`
+    and `mscale_all_dim`, DeepSeek's), LongRoPE's sqrt(1 + ln(factor) / ln(trained context))."""
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if scaling is None or kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if kind == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -94,7 +101,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim // 2] float32
-        self.attention_factor = rope_attention_factor(scaling)  # YaRN's; 1 otherwise
+        self.attention_factor = rope_attention_factor(scaling)  # YaRN's and LongRoPE's; 1 otherwise
+        # LongRoPE (Phi-3): the long factors serve every token of a sequence longer than the
+        # trained context, as transformers picks them per forward call by the sequence's length
+        self.long: RotaryEmbedding | None = None
+        self.long_after = 0
+        if scaling is not None and scaling.get("rope_type") == "longrope" and scaling.get("long_factor"):
+            long = {**scaling, "short_factor": scaling["long_factor"], "long_factor": None}
+            self.long = RotaryEmbedding(head_dim, max_positions, theta, long, precompute)
+            self.long_after = int(scaling["original_max_position_embeddings"])
         if precompute:
             emb = self._angles(torch.arange(max_positions, dtype=torch.int64))  # [max_positions, head_dim]
             self.register_buffer("cos", self._scaled(emb.cos()), persistent=False)
@@ -108,8 +123,20 @@ class RotaryEmbedding(nn.Module):
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.attention_factor == 1.0 else x * self.attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos/sin [num_tokens, head_dim], made once per step and shared by all layers."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos/sin [num_tokens, head_dim], made once per step and shared by all layers.
+        seq_lens: each token's sequence length after the step (AttentionMetadata.seq_lens), for
+        LongRoPE; without it a token's own position + 1 stands in."""
+        if self.long is not None:
+            lengths = positions + 1 if seq_lens is None else seq_lens
+            use_long = (lengths > self.long_after)[:, None]
+            short, long = self._cos_sin(positions, dtype), self.long._cos_sin(positions, dtype)
+            return torch.where(use_long, long[0], short[0]), torch.where(use_long, long[1], short[1])
+        return self._cos_sin(positions, dtype)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.precompute:
             emb = self._angles(positions)
             return self._scaled(emb.cos()).to(dtype), self._scaled(emb.sin()).to(dtype)

@@ -29,7 +29,18 @@ from fornax.models.sharding import take_cut
 GATED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 SUPPORTED_HF_ARCHITECTURES = {
     f"{family}ForCausalLM"
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe", "Olmoe")
+    for family in (
+        "Llama",
+        "Mistral",
+        "Qwen2",
+        "Qwen3",
+        "Gemma3",
+        "Mixtral",
+        "Qwen2Moe",
+        "Qwen3Moe",
+        "Olmoe",
+        "Phi3",
+    )
 }
 
 
@@ -63,8 +74,18 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
     rope = dict(rope_parameters or raw.get("rope_scaling") or {})
     rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+    rope_type = "longrope" if rope_type == "su" else rope_type  # early Phi-3 files' name for it
+    if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
         raise ModelLoadError(f"unsupported rope_type {rope_type!r}")
+    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported yet")
+    if rope_type == "longrope":  # transformers' defaults: the trained context, and the ratio to it
+        original = int(
+            rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
+        )
+        rope["original_max_position_embeddings"] = original
+        rope.setdefault("factor", int(raw["max_position_embeddings"]) / original)
+        rope.pop("partial_rotary_factor", None)
     if rope_type == "yarn":  # transformers takes the trained context from the config when absent
         rope.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
     heads = int(raw["num_attention_heads"])
@@ -88,6 +109,7 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_whole=arch == "OlmoeForCausalLM",
+            fused_projections=arch == "Phi3ForCausalLM",
             clip_qkv=raw.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             hidden_act=act,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,

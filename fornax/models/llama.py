@@ -2,7 +2,8 @@
 
 These architectures differ only in small switches that the config carries: QKV bias
 (Qwen2), per-head RMSNorm on Q and K before RoPE (Qwen3), RoPE scaling (Llama 3),
-sliding-window attention (Mistral), tied embeddings, and mixture-of-experts MLPs in some or
+sliding-window attention (Mistral), Q/K/V and gate/up stored fused (Phi-3, with LongRoPE),
+tied embeddings, and mixture-of-experts MLPs in some or
 all layers (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py). One implementation keeps them
 exactly in step with each other; `models/__init__.py` maps HF architecture names here.
 
@@ -144,7 +145,7 @@ class LlamaForCausalLM(LinearForms):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype, meta.seq_lens)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos_sin, kv_cache.layers[i], meta)
@@ -158,12 +159,23 @@ class LlamaForCausalLM(LinearForms):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            out.append((attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
+            fused = self.config.fused_projections  # Phi-3 stores Q/K/V and gate/up fused already
+            qkv = (
+                [p + "self_attn.qkv_proj.weight"]
+                if fused
+                else [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            )
+            out.append((attn.qkv_proj, qkv))
             out.append((attn.o_proj, [p + "self_attn.o_proj.weight"]))
             if isinstance(mlp, SparseMoE):
                 out += moe_linear_sources(mlp, i)
                 continue
-            out.append((mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            gate_up = (
+                [p + "mlp.gate_up_proj.weight"]
+                if fused
+                else [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            )
+            out.append((mlp.gate_up_proj, gate_up))
             out.append((mlp.down_proj, [p + "mlp.down_proj.weight"]))
         return out
 

@@ -33,8 +33,8 @@ from fornax.models.gguf_moe import (
     merged_experts,
     moe_expected_shape,
 )
-from fornax.models.moe import moe_layer_names
 from fornax.models.sharding import Cut, take_cut
+from fornax.models.tensor_set import required_tensor_names
 
 # Given a model's config, the part of each tensor to read (models/sharding.py shard_cuts).
 CutsFor = Callable[[ModelConfig], Mapping[str, Cut]]
@@ -469,23 +469,8 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
             raise ModelLoadError(f"tensor {t.name} has shape {t.shape}, the metadata implies {expected}")
 
 
-# The weights every decoder layer has (biases and q/k norms are per family).
-_LAYER_WEIGHTS = (
-    "input_layernorm post_attention_layernorm self_attn.q_proj self_attn.k_proj self_attn.v_proj "
-    "self_attn.o_proj"
-).split()
-_DENSE_MLP_WEIGHTS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 def check_tensor_set(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        required += [f"{p}{n}.weight" for n in _LAYER_WEIGHTS]
-        if config.moe is not None and i in config.moe.sparse_layers:
-            required += moe_layer_names(config.moe, i)
-        else:
-            required += [f"{p}{n}.weight" for n in _DENSE_MLP_WEIGHTS]
+    required = required_tensor_names(config)
     missing = [n for n in required if n not in tensors]
     if missing:
         raise ModelLoadError(f"model is missing {len(missing)} tensors, e.g. {missing[0]}")

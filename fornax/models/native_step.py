@@ -203,7 +203,7 @@ class NativeStep:
         desc = next(d for rows, d in self.tiers if input_ids.shape[0] <= rows)
         desc.part_keys = kr.part_keys  # the attention split the op-by-op path would take
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype, meta.seq_lens)
         kv = self._kv_cache
         rows = step_rows(
             meta.slot_mapping,

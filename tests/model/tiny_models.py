@@ -114,6 +114,18 @@ def build_tiny_model(arch: str, out: Path, seed: int = 0, **tokenizer: Any) -> t
                 "original_max_position_embeddings": 16,
             },
         )
+    elif arch == "phi3":  # fused Q/K/V and gate/up tensors; LongRoPE over a 16-position trained context
+        config = transformers.Phi3Config(
+            **common,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                "long_factor": [1.0, 1.5, 2.4, 3.9, 6.0, 9.0, 13.5, 20.0],
+                "original_max_position_embeddings": 16,
+            },
+        )
     elif arch == "mixtral":  # 4 experts of intermediate_size, top 2, renormalized
         config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     elif arch == "qwen3_moe":  # 8 small experts, top 3 renormalized; layer 1 keeps a dense MLP
