@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fornax.config import ConfigError, MoEConfig
+from fornax.config import MAX_EXPERTS, ConfigError, MoEConfig
+from fornax.models.gguf_meta import ModelLoadError, meta_int
 
 # What llama.cpp's graph does with the top-k weights, per architecture: renormalized for
 # Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE (its build_moe_ffn calls). The files do
@@ -37,11 +38,8 @@ GGUF_MERGED_EXPERTS = {
 _MERGED = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps\.weight)")
 
 
-def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int, meta_int: Any) -> MoEConfig | None:
-    """The routing a MoE GGUF declares (`{arch}.expert_count` and friends); None for a dense
-    file. meta_int: the loader's bounded integer reader (key, upper bound, default)."""
-    from fornax.config.moe import MAX_EXPERTS
-
+def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int) -> MoEConfig | None:
+    """The routing a MoE GGUF declares (`{arch}.expert_count` and friends); None for a dense file."""
     p = f"{arch}."
     if arch not in GGUF_MOE_NORMALIZES or not metadata.get(p + "expert_count"):
         return None
@@ -61,7 +59,7 @@ def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int, meta_int: 
             shared_expert_intermediate_size=shared,
         )
     except ConfigError as exc:
-        raise ValueError(f"bad expert metadata: {exc}") from None
+        raise ModelLoadError(f"bad expert metadata: {exc}") from None
 
 
 def merged_experts(name: str) -> tuple[int, str] | None:

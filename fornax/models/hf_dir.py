@@ -15,9 +15,8 @@ from tqdm import tqdm
 
 from fornax.config import ConfigError, ModelConfig, MoEConfig
 from fornax.models.bert import ENCODER_ARCHITECTURES, bert_model_config
+from fornax.models.gguf_families import GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_PATTERN
 from fornax.models.loader import (
-    GEMMA3_LOCAL_ROPE_THETA,
-    GEMMA3_SLIDING_PATTERN,
     CutsFor,
     LoadedWeights,
     ModelLoadError,

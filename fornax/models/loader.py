@@ -8,7 +8,6 @@ to suit its interleaved RoPE) is undone here so the weights are in HF's half-spl
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 import sys
@@ -26,6 +25,24 @@ from fornax.config import ConfigError, ModelConfig
 from fornax.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from fornax.layers.dequantize import dequantize
 from fornax.models.gguf_blocks import INT4_BLOCK_TYPES, q4_blocks, q4k_blocks
+from fornax.models.gguf_families import (
+    gemma3_gguf_config,
+    longrope_scaling,
+    phi3_gguf_config,
+)
+from fornax.models.gguf_meta import (
+    MAX_BLOCK_COUNT,
+    MAX_CONTEXT_LENGTH,
+    MAX_EMBEDDING_LENGTH,
+    MAX_FEED_FORWARD_LENGTH,
+    MAX_HEAD_COUNT,
+    MAX_HEAD_DIM,
+    MAX_VOCAB_SIZE,
+    ModelLoadError,
+    meta_float,
+    meta_int,
+    short_repr,
+)
 from fornax.models.gguf_moe import (
     GGUF_MOE_LAYER_NAMES,
     expert_hf_name,
@@ -50,26 +67,16 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
     "olmoe": ("OlmoeForCausalLM", False, False, False),  # Q/K norms over whole projections
+    "phi3": ("Phi3ForCausalLM", False, False, False),  # fused attn_qkv and ffn_up (gate and up)
 }
-# What GGUF files do not say about Gemma 3 and llama.cpp fixes in code: every sixth layer
-# attends globally, the others within the window, with RoPE base 10,000 on those.
-GEMMA3_SLIDING_PATTERN = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# LongRoPE's factor tables (Phi-3): global tensors, read into the config's rope scaling
+_ROPE_TABLES = {
+    "rope_freqs.weight": "freqs",
+    "rope_factors_long.weight": "long",
+    "rope_factors_short.weight": "short",
+}
 # Quant types we accept; the gguf package dequantizes each of these.
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
-
-# Bounds on the sizes a GGUF's metadata may claim, checked before anything is sized from them
-# (the model's layers, the RoPE table, the list of expected tensors). Each is several times
-# what the largest open models use today (about 130 layers, width 16k, FFN 53k, 128 heads
-# of 128, vocabularies of 256k, contexts of 10M), so no real file is refused while a
-# hostile one cannot ask for a huge allocation.
-MAX_BLOCK_COUNT = 1024
-MAX_EMBEDDING_LENGTH = 1 << 17
-MAX_FEED_FORWARD_LENGTH = 1 << 20
-MAX_HEAD_COUNT = 1 << 12
-MAX_HEAD_DIM = 1 << 12
-MAX_CONTEXT_LENGTH = 1 << 24
-MAX_VOCAB_SIZE = 1 << 22
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -95,15 +102,16 @@ _GGUF_GEMMA_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+_GGUF_PHI3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate and up, stacked
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class ModelLoadError(Exception):
-    """A model file that cannot be used; the message is one clear line."""
 
 
 @dataclass
@@ -149,41 +157,10 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path} is not a valid GGUF file ({type(exc).__name__}: {exc})") from None
 
 
-def _meta_int(metadata: dict[str, Any], key: str, upper: int, default: int | None = None) -> int:
-    """An integer metadata value in [1, upper]: checked before anything is sized from it."""
-    value = metadata.get(key, default)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata is missing {key}")
-    if isinstance(value, bool) or not isinstance(value, int):  # bool is an int, but never a size
-        raise ModelLoadError(f"GGUF metadata {key} must be an integer, got {_short(value)}")
-    if not 1 <= value <= upper:
-        raise ModelLoadError(f"GGUF metadata {key} = {value} is out of range (1 to {upper})")
-    return value
-
-
-def _meta_float(
-    metadata: dict[str, Any], key: str, default: float | None = None, positive: bool = True
-) -> float:
-    value = metadata.get(key, default)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata is missing {key}")
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        kind = "a positive number" if positive else "a number >= 0"
-        raise ModelLoadError(f"GGUF metadata {key} must be {kind}, got {_short(value)}")
-    return float(value)
-
-
-def _short(value: Any) -> str:
-    """A metadata value for an error line: a hostile file's value may be a 100k-item list."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _gguf_vocab_size(metadata: dict[str, Any], arch: str) -> int:
     key = f"{arch}.vocab_size"
     if key in metadata:
-        return _meta_int(metadata, key, MAX_VOCAB_SIZE)
+        return meta_int(metadata, key, MAX_VOCAB_SIZE)
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ModelLoadError(f"GGUF metadata gives no vocabulary size (no {key}, no tokenizer.ggml.tokens)")
@@ -198,7 +175,7 @@ def _head_dim(value: Any) -> int:
     # even: RoPE rotates pairs of values, and the Q/K un-permutation splits each head in two
     if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_HEAD_DIM or value % 2:
         raise ModelLoadError(
-            f"GGUF head dimension {_short(value)} is not an even number from 2 to {MAX_HEAD_DIM}"
+            f"GGUF head dimension {short_repr(value)} is not an even number from 2 to {MAX_HEAD_DIM}"
         )
     return value
 
@@ -207,46 +184,43 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:  # a list is not even hashable
         supported = ", ".join(sorted(GGUF_ARCHITECTURES))
-        raise ModelLoadError(f"unsupported GGUF architecture {_short(arch)} (supported: {supported})")
+        raise ModelLoadError(f"unsupported GGUF architecture {short_repr(arch)} (supported: {supported})")
     hf_arch, _, has_bias, qk_norm = GGUF_ARCHITECTURES[arch]
     p = f"{arch}."
-    hidden = _meta_int(metadata, p + "embedding_length", MAX_EMBEDDING_LENGTH)
-    heads = _meta_int(metadata, p + "attention.head_count", MAX_HEAD_COUNT)
-    kv_heads = _meta_int(metadata, p + "attention.head_count_kv", MAX_HEAD_COUNT, default=heads)
+    hidden = meta_int(metadata, p + "embedding_length", MAX_EMBEDDING_LENGTH)
+    heads = meta_int(metadata, p + "attention.head_count", MAX_HEAD_COUNT)
+    kv_heads = meta_int(metadata, p + "attention.head_count_kv", MAX_HEAD_COUNT, default=heads)
     head_dim = _head_dim(metadata.get(p + "attention.key_length") or hidden // heads)
     gemma = arch == "gemma3"
-    layers = _meta_int(metadata, p + "block_count", MAX_BLOCK_COUNT)
+    layers = meta_int(metadata, p + "block_count", MAX_BLOCK_COUNT)
     rope_scaling = None
     scaling_type = metadata.get(p + "rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _meta_float(metadata, p + "rope.scaling.factor")}
+        rope_scaling = {"rope_type": "linear", "factor": meta_float(metadata, p + "rope.scaling.factor")}
     elif scaling_type == "yarn":  # Qwen2.5/Qwen3 long contexts, as llama.cpp's converter writes them
-        original = _meta_int(metadata, p + "rope.scaling.original_context_length", MAX_CONTEXT_LENGTH)
-        rope_scaling = {"rope_type": "yarn", "factor": _meta_float(metadata, p + "rope.scaling.factor")}
+        original = meta_int(metadata, p + "rope.scaling.original_context_length", MAX_CONTEXT_LENGTH)
+        rope_scaling = {"rope_type": "yarn", "factor": meta_float(metadata, p + "rope.scaling.factor")}
         rope_scaling["original_max_position_embeddings"] = original
         for key in ("beta_fast", "beta_slow"):  # llama.cpp's defaults are YaRN's (32, 1) when absent
             if p + f"rope.scaling.yarn_{key}" in metadata:
-                rope_scaling[key] = _meta_float(metadata, p + f"rope.scaling.yarn_{key}")
+                rope_scaling[key] = meta_float(metadata, p + f"rope.scaling.yarn_{key}")
     elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"unsupported RoPE scaling {_short(scaling_type)} in GGUF")
-    try:
-        moe = gguf_moe_config(metadata, arch, layers, _meta_int)  # None for a dense file
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from None
+        raise ModelLoadError(f"unsupported RoPE scaling {short_repr(scaling_type)} in GGUF")
+    moe = gguf_moe_config(metadata, arch, layers)  # None for a dense file
     try:
         return ModelConfig(
             architecture=hf_arch,
             vocab_size=_gguf_vocab_size(metadata, arch),
             hidden_size=hidden,
-            intermediate_size=_meta_int(metadata, p + "feed_forward_length", MAX_FEED_FORWARD_LENGTH),
+            intermediate_size=meta_int(metadata, p + "feed_forward_length", MAX_FEED_FORWARD_LENGTH),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_meta_float(metadata, p + "attention.layer_norm_rms_epsilon", positive=False),
-            rope_theta=_meta_float(metadata, p + "rope.freq_base", 10000.0),
+            rms_norm_eps=meta_float(metadata, p + "attention.layer_norm_rms_epsilon", positive=False),
+            rope_theta=meta_float(metadata, p + "rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=_meta_int(metadata, p + "context_length", MAX_CONTEXT_LENGTH, 4096),
+            max_position_embeddings=meta_int(metadata, p + "context_length", MAX_CONTEXT_LENGTH, 4096),
             tie_word_embeddings=False,  # decided from the tensors present
             attention_bias=has_bias,
             qk_norm=qk_norm,
@@ -254,26 +228,11 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             clip_qkv=metadata.get(p + "attention.clamp_kqv") if arch == "olmoe" else None,
             name=name,
             moe=moe,
-            **(_gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
+            **(gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
+            **(phi3_gguf_config(metadata) if arch == "phi3" else {}),
         )
     except ConfigError as exc:
         raise ModelLoadError(f"bad GGUF model config: {exc}") from None
-
-
-def _gemma3_gguf_config(
-    metadata: dict[str, Any], layers: int, hidden: int, heads: int, head_dim: int
-) -> dict[str, Any]:
-    window = _meta_int(metadata, "gemma3.attention.sliding_window", MAX_CONTEXT_LENGTH)
-    sliding = [(i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(layers)]
-    return {
-        "hidden_act": "gelu_pytorch_tanh",
-        "sliding_window": window,
-        "layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding),
-        "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA,
-        # HF's query_pre_attn_scalar: head_dim, except in the 27B model (62 layers), which
-        # scales by hidden / heads (168 there); llama.cpp decides it the same way.
-        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
-    }
 
 
 def _unpermute_rows(w: ArrayOrTensor, n_heads: int) -> ArrayOrTensor:
@@ -286,7 +245,9 @@ def _unpermute_rows(w: ArrayOrTensor, n_heads: int) -> ArrayOrTensor:
 def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES | GGUF_MOE_LAYER_NAMES
+    layer_names = {"gemma3": _GGUF_GEMMA_LAYER_NAMES, "phi3": _GGUF_PHI3_LAYER_NAMES}.get(
+        arch, _GGUF_LAYER_NAMES | GGUF_MOE_LAYER_NAMES
+    )
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
@@ -372,14 +333,14 @@ def _weights_from_gguf(
     tensors: dict[str, torch.Tensor] = {}
     file_quantization: dict[str, str] = {}
     int4_blocks: dict[str, Int4Blocks] = {}
-    freq_factors: torch.Tensor | None = None
+    rope_tables: dict[str, list[float]] = {}  # Llama 3's rope_freqs, Phi-3's LongRoPE factors
     embedding_rows: GGUFTensor | None = None
     bar = tqdm(
         gguf_file.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, file=sys.stderr
     )
     for t in bar:
-        if t.name == "rope_freqs.weight":
-            freq_factors = dequantize(t.data, t.qtype, torch.float32)
+        if t.name in _ROPE_TABLES:
+            rope_tables[_ROPE_TABLES[t.name]] = dequantize(t.data, t.qtype, torch.float32).tolist()
             continue
         merged = merged_experts(t.name)
         if merged is not None:  # every expert of a layer in one 3-D tensor: one HF tensor each
@@ -419,8 +380,10 @@ def _weights_from_gguf(
             tensors[hf_name] = tensor.contiguous()
     tied = "lm_head.weight" not in tensors
     scaling = config.rope_scaling
-    if freq_factors is not None:  # Llama 3.x: llama.cpp stores the per-frequency divisors
-        scaling = {"rope_type": "freq_factors", "factors": freq_factors.tolist()}
+    if "freqs" in rope_tables:  # Llama 3.x: llama.cpp stores the per-frequency divisors
+        scaling = {"rope_type": "freq_factors", "factors": rope_tables["freqs"]}
+    if "long" in rope_tables and "short" in rope_tables:  # Phi-3's LongRoPE
+        scaling = longrope_scaling(metadata, rope_tables["short"], rope_tables["long"])
     config = replace(config, tie_word_embeddings=tied, rope_scaling=scaling)
     check_tensor_set(config, tensors)
     gguf_file.drop_resident_pages()  # every tensor above is a copy now
@@ -443,6 +406,10 @@ def _expected_shape(config: ModelConfig, hf_name: str) -> tuple[int, ...]:
         shapes |= {f"self_attn.{proj}_proj.weight": (out, hidden), f"self_attn.{proj}_proj.bias": (out,)}
     shapes |= {"self_attn.o_proj.weight": (hidden, q), "mlp.down_proj.weight": (hidden, ffn)}
     shapes |= {"mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden)}
+    shapes |= {
+        "self_attn.qkv_proj.weight": (q + 2 * kv, hidden),
+        "mlp.gate_up_proj.weight": (2 * ffn, hidden),
+    }
     expected = shapes.get(part) or (moe_expected_shape(c.moe, hidden, part) if c.moe is not None else None)
     if expected is None:  # an expert tensor in a file whose metadata declares no experts
         raise ModelLoadError(f"unexpected tensor {hf_name[:64]!r} for this model's metadata")
@@ -453,7 +420,7 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
     """Every tensor's shape against the metadata, before any is dequantized: a mismatch
     would otherwise surface later as a reshape or copy error deep in loading."""
     for t in gguf_file.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TABLES:
             expected: tuple[int, ...] = (config.head_dim // 2,)
         else:
             merged = merged_experts(t.name)  # checked whole, by its GGUF name

@@ -1,7 +1,7 @@
 """Phi-3 (fused Q/K/V and gate/up tensors, LongRoPE) against transformers on a tiny random
 model whose trained context is 16 positions: fp32 logits within 1e-3 and greedy tokens
 identical in both of LongRoPE's regimes (sequences within the trained context use the short
-factors, longer ones the long factors).
+factors, longer ones the long factors), and the same model as a GGUF in llama.cpp's layout.
 
 Where one sequence grows past the trained context during generation, transformers' generate()
 throws its cache away and recomputes every position with the long factors; fornax, as vLLM,
@@ -61,3 +61,66 @@ def test_greedy_matches_transformers_in_each_regime(phi3):
             at = greedy_disagreement(hf, prompt, out.outputs[0].token_ids)
             assert at is None, f"prompt of {len(prompt)} tokens differs at token {at}"
     llm.engine.check_integrity()
+
+
+def _write_phi3_gguf(hf, path) -> None:
+    """The tiny Phi-3 as llama.cpp's converter writes it: fused attn_qkv and ffn_up (gate and
+    up stacked), no Q/K permutation, LongRoPE's tables as rope_factors_* tensors."""
+    import math
+
+    import gguf
+
+    from tests.model.test_gguf_loading import _GGUF_NAMES, _LAYER_NAMES
+
+    cfg, rope = hf.config, hf.config.rope_parameters
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(TRAINED)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(0)
+    writer.add_vocab_size(cfg.vocab_size)
+    scale = cfg.max_position_embeddings / TRAINED
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(TRAINED)))
+    names = {
+        **_LAYER_NAMES,
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+    }
+    for name, tensor in hf.state_dict().items():
+        layer = name.removeprefix("model.layers.").split(".", 1)
+        gguf_name = _GGUF_NAMES.get(name) or f"blk.{layer[0]}.{names[layer[1]]}"
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", torch.tensor(rope[f"{kind}_factor"]).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("ids", [SHORT[2], LONG[1]], ids=["short factors", "long factors"])
+def test_gguf_matches_transformers(phi3, ids, tmp_path):
+    from fornax.models import load_model
+
+    hf, _llm = phi3
+    path = tmp_path / "phi3.gguf"
+    _write_phi3_gguf(hf, path)
+    loaded = load_model(path, "float32", progress=False)
+    assert loaded.config.fused_projections and loaded.config.sliding_window is None
+    scaling = loaded.config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == TRAINED
+    cache = KVCache(loaded.config, 8, 16, torch.float32)
+    with torch.inference_mode():
+        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16)
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
+        )
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
