@@ -184,6 +184,8 @@ class LlamaForCausalLM(LinearForms):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP, GatedMLP)):
                 module.ops = ops
+            elif isinstance(module, SparseMoE):
+                module.use_ops(ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], only for the rows that are sampled."""

@@ -9,8 +9,11 @@ so a decode step reads only the chosen experts' weights.
 
 The router stays float32 and dense whatever the step's forms: its logits decide which weights
 run at all, so a rounding there would change which experts a token sees rather than a little
-of its output (vLLM keeps the gate unquantized for the same reason). Its softmax, top-k and
-renormalization are torch's, as in transformers, so routing ties break the same way.
+of its output (vLLM keeps the gate unquantized for the same reason). With the native kernels
+its matmul is the float32 loop of kernels/f32_matmul.c, whose sums for a row do not depend on
+the rows beside it, so which experts a token reaches does not depend on its batch (what
+deterministic mode needs; torch's float32 linear blocks its sums by the call's shape). Its
+softmax, top-k and renormalization are torch's, as in transformers, so ties break the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 from fornax.config import ModelConfig
 from fornax.config.moe import MoEConfig
 from fornax.layers.linear import Linear
+from fornax.layers.native import F32Matmul, load_f32_matmul
 from fornax.layers.ops import TORCH_OPS, LayerOps
 
 
@@ -49,15 +53,24 @@ class SparseMoE(nn.Module):
         )
         self.shared_expert = None
         self.shared_expert_gate = None
+        self.router_matmul: F32Matmul | None = None  # set by use_ops with the native kernels
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(h, moe.shared_expert_intermediate_size, dtype)
             self.shared_expert_gate = nn.Parameter(
                 torch.empty(1, h, dtype=torch.float32), requires_grad=False
             )
 
+    def use_ops(self, ops: LayerOps) -> None:
+        """Native ops bring the batch-invariant float32 matmul for the router (see above)."""
+        self.router_matmul = None if ops is TORCH_OPS else load_f32_matmul()
+
+    def _float_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return F.linear(x, weight) if self.router_matmul is None else self.router_matmul(x, weight)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> each token's top-k expert weights [T, k] (float32) and indices [T, k]."""
-        probs = F.softmax(F.linear(x.float(), self.router), dim=-1)  # [T, E]
+        probs = F.softmax(self._float_linear(x, self.router), dim=-1)  # [T, E]
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -81,9 +94,20 @@ class SparseMoE(nn.Module):
             out.index_add_(0, idx, y)  # in expert order, as transformers adds them
             start += n
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(F.linear(x.float(), self.shared_expert_gate)).to(x.dtype)  # [T, 1]
+            gate = _sigmoid_by_element(self._float_linear(x, self.shared_expert_gate)).to(x.dtype)  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return out
+
+
+def _sigmoid_by_element(v: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid with each value's result independent of the tensor's length: torch runs
+    whole SIMD vectors through its vectorized exp and the leftover tail through the scalar one,
+    which can differ in the last bit, so a token's gate would depend on how many tokens share
+    the step (found by deterministic mode's test). Padded to a multiple of 64 values, every
+    value takes the vector path."""
+    flat = v.reshape(-1)
+    pad = -flat.numel() % 64
+    return torch.sigmoid(F.pad(flat, (0, pad)))[: flat.numel()].view_as(v)
 
 
 def expert_names(moe: MoEConfig, layer: int, expert: int) -> tuple[str, str, str]:

@@ -127,14 +127,33 @@ def test_quantized_experts_run_close_to_float(tiny, quantization):
     llm.engine.check_integrity()
 
 
-def test_modes_not_supported_yet_are_refused_by_name(tiny):
+def test_tensor_parallelism_is_refused_by_name(tiny):
     _arch, _hf, _llm, src = tiny
-    with pytest.raises(ModelLoadError, match="deterministic mode does not run mixture-of-experts"):
-        LLM(str(src), dtype="float32", deterministic=True, num_blocks=16, progress=False)
     with pytest.raises(
         (ConfigError, ModelLoadError, ValueError), match="mixture-of-experts model runs in one process"
     ):
         LLM(str(src), dtype="float32", tensor_parallel_size=2, num_blocks=16, progress=False)
+
+
+def test_deterministic_mode_gives_each_prompt_its_bits_alone(tiny):
+    """Batch-invariant expert forms and a router whose sums do not depend on the batch: each
+    prompt alone gets the tokens and logprob bits it gets among the others, and they are still
+    transformers' greedy tokens."""
+    _arch, hf, _llm, src = tiny
+    llm = LLM(str(src), dtype="float32", deterministic=True, num_blocks=64, progress=False)
+    assert all(
+        m.router_matmul is not None for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)
+    )
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def key(out) -> tuple:
+        comp = out.outputs[0]
+        return tuple(comp.token_ids), tuple(lp.logprob for lp in comp.logprobs)
+
+    together = llm.generate(PROMPTS, params)
+    assert [key(o) for o in together] == [key(llm.generate([p], params)[0]) for p in PROMPTS]
+    for prompt, out in zip(PROMPTS, together):
+        assert greedy_disagreement(hf, prompt, out.outputs[0].token_ids) is None
 
 
 # -- the same models as llama.cpp-style GGUF files (gguf's writer, llama.cpp's names) --
