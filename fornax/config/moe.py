@@ -30,6 +30,9 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]  # the layers with experts; the others keep a dense MLP
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     naming: str = "qwen"
+    # A tensor-parallel rank's share (models/sharding.py): the experts [start, stop) it holds;
+    # None: all of them. The router always sees every expert.
+    local_experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.num_experts <= MAX_EXPERTS:
@@ -38,5 +41,15 @@ class MoEConfig:
             raise ConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.top_k}")
         if self.expert_intermediate_size <= 0 or self.shared_expert_intermediate_size < 0:
             raise ConfigError("expert sizes must be positive")
+        if (
+            self.local_experts is not None
+            and not 0 <= self.local_experts[0] <= self.local_experts[1] <= self.num_experts
+        ):
+            raise ConfigError(f"local experts {self.local_experts} outside 0..{self.num_experts}")
         if self.naming not in MOE_NAMINGS:
             raise ConfigError(f"unknown expert naming {self.naming!r}")
+
+    @property
+    def held_experts(self) -> range:
+        """The experts this process holds (all, outside tensor parallelism)."""
+        return range(*(self.local_experts or (0, self.num_experts)))

@@ -65,9 +65,14 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.world = config.tensor_parallel_size
         try:  # before any worker starts: a size the heads cannot take would fail in every one
-            plan_shards(read_model_config(config.model), self.world)
+            model_config = read_model_config(config.model)
+            plan_shards(model_config, self.world)
         except ValueError as exc:
             raise ConfigError(f"tensor_parallel_size {self.world}: {exc}") from None
+        if config.deterministic and model_config.moe is not None:  # models/sharding.py shard_cuts
+            raise ConfigError(
+                "deterministic tensor parallelism does not split a mixture-of-experts model's experts yet"
+            )
         init = config.distributed_init or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.workers = []

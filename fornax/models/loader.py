@@ -50,7 +50,7 @@ from fornax.models.gguf_moe import (
     merged_experts,
     moe_expected_shape,
 )
-from fornax.models.sharding import Cut, take_cut
+from fornax.models.sharding import NOT_HELD, Cut, take_cut
 from fornax.models.tensor_set import required_tensor_names
 
 # Given a model's config, the part of each tensor to read (models/sharding.py shard_cuts).
@@ -344,7 +344,9 @@ def _weights_from_gguf(
             continue
         merged = merged_experts(t.name)
         if merged is not None:  # every expert of a layer in one 3-D tensor: one HF tensor each
-            pieces = [(expert_hf_name(merged[0], e, merged[1]), t.data[e], None) for e in range(t.shape[0])]
+            names = [expert_hf_name(merged[0], e, merged[1]) for e in range(t.shape[0])]
+            pieces = [(n, t.data[e], None) for e, n in enumerate(names) if cuts.get(n) != NOT_HELD]
+            tensors |= {n: torch.empty(0, dtype=dtype) for n in names if cuts.get(n) == NOT_HELD}
         else:
             hf_name = _gguf_to_hf_name(t.name, arch)
             assert hf_name is not None  # _check_gguf_shapes refused any other name

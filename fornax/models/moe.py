@@ -48,9 +48,10 @@ class SparseMoE(nn.Module):
         self.moe = moe
         h = config.hidden_size
         self.router = nn.Parameter(torch.empty(moe.num_experts, h, dtype=torch.float32), requires_grad=False)
-        self.experts = nn.ModuleList(
-            GatedMLP(h, moe.expert_intermediate_size, dtype) for _ in range(moe.num_experts)
-        )
+        # a tensor-parallel rank holds some experts (config/moe.py local_experts); their outputs
+        # are partial sums, completed by an all-reduce of the block's output (models/sharding.py)
+        self.held = moe.held_experts
+        self.experts = nn.ModuleList(GatedMLP(h, moe.expert_intermediate_size, dtype) for _ in self.held)
         self.shared_expert = None
         self.shared_expert_gate = None
         self.router_matmul: F32Matmul | None = None  # set by use_ops with the native kernels
@@ -87,10 +88,13 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue  # nobody chose it: its weights are not read
+            if (
+                n == 0 or e not in self.held
+            ):  # nobody chose it (its weights are not read), or another rank holds it
+                start += n
+                continue
             idx = rows[start : start + n]
-            y = self.experts[e](x[idx]) * slot_weights[start : start + n, None].to(x.dtype)
+            y = self.experts[e - self.held.start](x[idx]) * slot_weights[start : start + n, None].to(x.dtype)
             out.index_add_(0, idx, y)  # in expert order, as transformers adds them
             start += n
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -139,7 +143,7 @@ def shared_expert_names(layer: int) -> tuple[str, str, str, str]:
 def moe_linear_sources(block: SparseMoE, layer: int) -> list[tuple[Linear, list[str]]]:
     """Each expert Linear with the HF names fused into it (gate and up into gate_up)."""
     out: list[tuple[Linear, list[str]]] = []
-    for e, expert in enumerate(block.experts):
+    for e, expert in zip(block.held, block.experts):
         gate, up, down = expert_names(block.moe, layer, e)
         out += [(expert.gate_up_proj, [gate, up]), (expert.down_proj, [down])]
     if block.shared_expert is not None:

@@ -10,6 +10,12 @@ hidden states and the same logits. A rank's model is the ordinary model class bu
 slice's sizes (`ShardPlan.local_config`), so the kernels, the paged KV cache (a rank holds its
 KV heads only) and the weight forms are those of a single process.
 
+Mixture-of-experts layers (models/moe.py) split by expert instead: each rank holds a
+contiguous range of whole experts (and a range of the shared expert's channels, as a dense
+MLP's), every rank routes every token with the whole router, runs the experts it holds on the
+tokens that chose them, and the block's output, a partial sum, is completed by the same one
+all-reduce per layer. A rank reads nothing of the experts it does not hold.
+
 Deterministic mode uses another layout for O and down (Shard.exact): split by output channel,
 each over its whole input gathered from the ranks, so that every value is computed as one
 process computes it and the ranks give one process's bits.
@@ -39,6 +45,7 @@ from torch import nn
 
 from fornax.config import ModelConfig
 from fornax.layers.linear import Linear
+from fornax.models.moe import SparseMoE, expert_names, shared_expert_names
 
 AllReduce = Callable[[torch.Tensor], None]  # a sum (or max) of a tensor across the ranks, in place
 QUANT_BLOCK = 32  # the values per scale of the int4/int8 forms and of GGUF's Q4_0/Q8_0 blocks
@@ -79,14 +86,21 @@ class ShardPlan:
     kv_heads: range
     intermediate: range
     hidden: range  # the output channels of O and down in the exact layout (Shard.exact)
+    experts: range = range(0)  # a mixture-of-experts model's experts held here
+    shared: range = range(0)  # and its shared expert's channels
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The model config of this rank's slice (head_dim and hidden size unchanged)."""
+        moe = config.moe
+        if moe is not None:
+            local = (self.experts.start, self.experts.stop)
+            moe = replace(moe, local_experts=local, shared_expert_intermediate_size=len(self.shared))
         return replace(
             config,
             num_attention_heads=len(self.q_heads),
             num_key_value_heads=len(self.kv_heads),
             intermediate_size=len(self.intermediate),
+            moe=moe,
         )
 
 
@@ -101,10 +115,9 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     group = heads // kv_heads
     if world < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world}")
-    if world > 1 and config.moe is not None:
-        raise ValueError(
-            "a mixture-of-experts model runs in one process: its experts are not split over ranks yet"
-        )
+    moe = config.moe
+    if world > 1 and moe is not None and moe.num_experts < world:
+        raise ValueError(f"{moe.num_experts} experts cannot be split over {world} ranks")
     if world > inter:
         raise ValueError(f"tensor parallel size {world} exceeds the MLP width {inter}")
     if kv_heads >= world:
@@ -123,16 +136,27 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
             range(kv.start * group + (r % per_head) * share, kv.start * group + (r % per_head + 1) * share)
             for r, kv in enumerate(kv_ranges)
         ]
-    # the MLP channels in whole 32-value quantization blocks where the width allows: a rank's
-    # columns of down then hold exactly the blocks the whole matrix would (int4/int8 forms)
-    unit = QUANT_BLOCK if inter % QUANT_BLOCK == 0 and inter // QUANT_BLOCK >= world else 1
-    mlp = [range(r.start * unit, r.stop * unit) for r in _even_ranges(inter // unit, world)]
+    mlp = _channel_ranges(inter, world)
     hidden = _even_ranges(config.hidden_size, world)
-    return [ShardPlan(r, world, q_ranges[r], kv_ranges[r], mlp[r], hidden[r]) for r in range(world)]
+    experts = _even_ranges(moe.num_experts, world) if moe is not None else [range(0)] * world
+    shared_width = moe.shared_expert_intermediate_size if moe is not None else 0
+    shared = _channel_ranges(shared_width, world) if shared_width else [range(0)] * world
+    return [
+        ShardPlan(r, world, q_ranges[r], kv_ranges[r], mlp[r], hidden[r], experts[r], shared[r])
+        for r in range(world)
+    ]
+
+
+def _channel_ranges(width: int, world: int) -> list[range]:
+    """An MLP's channels over the ranks, in whole 32-value quantization blocks where the width
+    allows: a rank's columns of down then hold exactly the blocks the whole matrix would."""
+    unit = QUANT_BLOCK if width % QUANT_BLOCK == 0 and width // QUANT_BLOCK >= world else 1
+    return [range(r.start * unit, r.stop * unit) for r in _even_ranges(width // unit, world)]
 
 
 # What one rank reads of a tensor: (axis, start, stop), rows (0) or columns (1) [start, stop).
 Cut = tuple[int, int, int]
+NOT_HELD: Cut = (0, 0, 0)  # none of it: an expert another rank holds
 
 
 def shard_cuts(config: ModelConfig, plan: ShardPlan, exact: bool = False) -> dict[str, Cut]:
@@ -154,6 +178,16 @@ def shard_cuts(config: ModelConfig, plan: ShardPlan, exact: bool = False) -> dic
         cuts[f"{p}mlp.down_proj.weight"] = (1, mlp.start, mlp.stop)
         if exact:
             cuts[f"{p}self_attn.o_proj.weight"] = cuts[f"{p}mlp.down_proj.weight"] = (0, out.start, out.stop)
+        if config.moe is not None and i in config.moe.sparse_layers:
+            if exact:
+                raise ValueError("deterministic tensor parallelism does not split experts yet")
+            for e in range(config.moe.num_experts):
+                if e not in plan.experts:
+                    cuts.update(dict.fromkeys(expert_names(config.moe, i, e), NOT_HELD))
+            if config.moe.shared_expert_intermediate_size:
+                gate, up, down, _ = shared_expert_names(i)
+                cuts[gate] = cuts[up] = (0, plan.shared.start, plan.shared.stop)
+                cuts[down] = (1, plan.shared.start, plan.shared.stop)
     return cuts
 
 
@@ -164,23 +198,33 @@ def take_cut(t: Any, cut: Cut) -> Any:
 
 
 def row_parallel_linears(model: nn.Module) -> list[Linear]:
-    """The projections whose outputs are partial sums on each rank: attention O and MLP down."""
+    """The projections whose rows each rank holds a part of (their outputs are partial sums):
+    attention O and MLP down, or a sparse layer's shared-expert down."""
     found = []
     for layer in model.layers:
-        found += [layer.self_attn.o_proj, layer.mlp.down_proj]
+        found.append(layer.self_attn.o_proj)
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoE):
+            found.append(mlp.down_proj)
+        elif mlp.shared_expert is not None:
+            found.append(mlp.shared_expert.down_proj)
     return found
 
 
 def install_all_reduce(model: nn.Module, all_reduce: AllReduce) -> None:
-    """Complete each row-parallel output with `all_reduce` (a forward hook, so the model code
-    stays the single-process one; the one-call native step bypasses hooks and must not run)."""
+    """Complete each partial-sum output with `all_reduce` (a forward hook, so the model code
+    stays the single-process one; the one-call native step bypasses hooks and must not run):
+    attention O's and each MLP's, a sparse layer's after the whole block (its experts' and
+    shared expert's parts)."""
 
     def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
         all_reduce(output)
         return output
 
-    for linear in row_parallel_linears(model):
-        linear.register_forward_hook(hook)
+    for layer in model.layers:
+        mlp = layer.mlp
+        for module in (layer.self_attn.o_proj, mlp if isinstance(mlp, SparseMoE) else mlp.down_proj):
+            module.register_forward_hook(hook)
 
 
 def split_row_layers_by_output(

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from fornax import LLM, SamplingParams
-from fornax.config import ConfigError
 from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.linear import BlockInt4
 from fornax.models import ModelLoadError
@@ -127,12 +126,36 @@ def test_quantized_experts_run_close_to_float(tiny, quantization):
     llm.engine.check_integrity()
 
 
-def test_tensor_parallelism_is_refused_by_name(tiny):
-    _arch, _hf, _llm, src = tiny
-    with pytest.raises(
-        (ConfigError, ModelLoadError, ValueError), match="mixture-of-experts model runs in one process"
-    ):
-        LLM(str(src), dtype="float32", tensor_parallel_size=2, num_blocks=16, progress=False)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_two_ranks_split_the_experts_and_match_one_process(arch, tmp_path):
+    """Tensor parallelism over two processes: each rank holds half the experts (and half the
+    shared expert's channels); greedy tokens equal one process's and logprobs within 1e-4.
+    Qwen2-MoE brings the shared expert, Qwen3-MoE a dense layer among the sparse ones."""
+    from fornax.models.moe import SparseMoE as Block
+
+    build_tiny_model(arch, tmp_path / arch)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=4)
+
+    def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(PROMPTS, params)
+        return [
+            (
+                o.outputs[0].token_ids,
+                [x for lp in o.outputs[0].logprobs for x in (lp.logprob, *lp.top_logprobs)],
+            )
+            for o in outs
+        ]
+
+    config = {"dtype": "float32", "num_blocks": 64, "progress": False}
+    want = run(LLM(str(tmp_path / arch), **config))
+    tp = LLM(str(tmp_path / arch), tensor_parallel_size=2, **config)
+    held = [len(m.experts) for m in tp.engine.runner.model.modules() if isinstance(m, Block)]
+    local = tp.engine.runner.model.config.moe  # rank 0's slice of the config
+    assert held and all(n == len(local.held_experts) < local.num_experts for n in held)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run(tp), want):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+    tp.engine.check_integrity()
 
 
 def test_deterministic_mode_gives_each_prompt_its_bits_alone(tiny):
@@ -366,3 +389,29 @@ def test_prefix_cache_chunked_prefill_and_speculation_keep_the_tokens(tiny):
         assert [o.outputs[0].token_ids for o in outs] == want
     assert outs[1].num_cached_tokens > 0 and other.engine.stats().spec_num_draft_tokens_total > 0
     other.engine.check_integrity()
+
+
+def test_a_rank_reads_only_its_experts_from_a_gguf(tiny, tmp_path):
+    """Rank 1 of 2's cuts: the experts rank 0 holds are not read from the merged tensors."""
+    from gguf import GGMLQuantizationType as Q
+
+    from fornax.models.loader import load_gguf
+    from fornax.models.sharding import plan_shards, shard_cuts
+
+    _arch, hf, _llm, src = tiny
+    path = tmp_path / "moe.gguf"
+    written = _write_moe_gguf(src, hf, path, Q.Q8_0)
+    weights = load_gguf(
+        path, torch.float32, progress=False, cuts_for=lambda c: shard_cuts(c, plan_shards(c, 2)[1])
+    )
+    moe = weights.config.moe
+    held = plan_shards(weights.config, 2)[1].experts
+    assert 0 < len(held) < moe.num_experts
+    for e in range(moe.num_experts):
+        got = weights.tensors[f"model.layers.{moe.sparse_layers[0]}.mlp.experts.{e}.down_proj.weight"]
+        if e in held:
+            assert torch.equal(
+                got, torch.from_numpy(written[f"blk.{moe.sparse_layers[0]}.ffn_down_exps.weight"][e])
+            )
+        else:
+            assert got.numel() == 0
