@@ -111,3 +111,25 @@ def greedy_disagreement(hf_model: torch.nn.Module, prompt: list[int], tokens: li
     with torch.inference_mode():
         argmax = hf_model(ids).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
     return next((i for i, (a, t) in enumerate(zip(argmax, tokens)) if a != t), None)
+
+
+def logit_gap(model: torch.nn.Module, hf_model: torch.nn.Module, ids: list[int]) -> float:
+    """The largest |our logit - transformers'| over one prompt run whole, in float32: ours
+    through a fresh paged cache whose block table runs backwards (so it is really used), with the
+    model's own sliding window, theirs as one plain forward."""
+    from fornax.layers.attention import SeqSpan, build_attention_metadata
+    from fornax.models.base import KVCache
+
+    config, blocks = model.config, (len(ids) + 15) // 16
+    cache = KVCache(config, blocks + 2, 16, torch.float32)
+    table = list(range(blocks + 1, 1, -1))
+    meta = build_attention_metadata(
+        [SeqSpan(0, len(ids), table)],
+        16,
+        config.sliding_window,
+        interleaved=config.interleaves_sliding_window,
+    )
+    with torch.inference_mode():
+        ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    return (ours - ref).abs().max().item()

@@ -16,11 +16,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.models import load_model
-from fornax.models.base import KVCache
 from fornax.models.loader import ModelLoadError, load_gguf
 from fornax.models.registry import ModelSourceError, resolve_model
+from tests.hf_reference import logit_gap
 from tests.model.tiny_models import build_tiny_model
 
 _GGUF_NAMES = {
@@ -46,12 +45,8 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(
-    hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama", yarn: dict | None = None
-) -> dict[str, np.ndarray]:
-    """Write a tiny HF Llama as a llama.cpp-style GGUF; returns the dequantized reference of each
-    tensor. yarn: YaRN's factor and trained context, as llama.cpp's converter writes them."""
-    cfg = hf_model.config
+def start_gguf(path: Path, arch: str, cfg, rope_theta: float) -> gguf.GGUFWriter:
+    """A writer for `arch` with the shape keys every decoder's GGUF has, from a transformers config."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -59,14 +54,24 @@ def write_llama_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    return writer
+
+
+def write_llama_gguf(
+    hf_model, path: Path, qtype: Q = Q.F32, arch: str = "llama", yarn: dict | None = None
+) -> dict[str, np.ndarray]:
+    """Write a tiny HF Llama as a llama.cpp-style GGUF; returns the dequantized reference of each
+    tensor. yarn: YaRN's factor and trained context, as llama.cpp's converter writes them."""
+    cfg = hf_model.config
+    writer = start_gguf(path, arch, cfg, rope_theta=10000.0)
     if yarn is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(yarn["factor"])
         writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    reference = {}
+    tensors = {}
     for name, tensor in hf_model.state_dict().items():
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
@@ -78,13 +83,22 @@ def write_llama_gguf(
             w = _llama_cpp_permute(w, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
-        if w.ndim == 2 and qtype != Q.F32:
+        tensors[gguf_name] = w
+    return finish_gguf(writer, tensors, qtype, lambda _name, w: w.ndim == 2)
+
+
+def finish_gguf(writer, tensors: dict[str, np.ndarray], qtype: Q, quantize) -> dict[str, np.ndarray]:
+    """Add `tensors` (those `quantize(name, array)` picks in `qtype`, the rest float32), write
+    the file and close it; returns what each tensor dequantizes to, by name."""
+    reference = {}
+    for name, w in tensors.items():
+        if qtype != Q.F32 and quantize(name, w):
             data = gguf.quants.quantize(w, qtype)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-            reference[gguf_name] = gguf.quants.dequantize(data, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            reference[name] = gguf.quants.dequantize(data, qtype)
         else:
-            writer.add_tensor(gguf_name, w)
-            reference[gguf_name] = w
+            writer.add_tensor(name, w)
+            reference[name] = w
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -102,15 +116,7 @@ def test_permuted_f32_gguf_matches_transformers(tiny_llama, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(tiny_llama, path)
     loaded = load_model(path, "float32", progress=False)
-    ids = list(range(3, 40))
-    cache = KVCache(loaded.config, 4, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [1, 3, 0])], 16)
-        ours = loaded.model.compute_logits(
-            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
-        )
-        ref = tiny_llama(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-3
+    assert logit_gap(loaded.model, tiny_llama, list(range(3, 40))) < 1e-3
 
 
 def test_yarn_gguf_matches_transformers_past_the_trained_context(tmp_path):
@@ -138,15 +144,7 @@ def test_yarn_gguf_matches_transformers_past_the_trained_context(tmp_path):
     write_llama_gguf(hf, path, yarn=yarn)
     loaded = load_model(path, "float32", progress=False)
     assert loaded.config.rope_scaling == {"rope_type": "yarn", **yarn}
-    ids = list(range(3, 43))
-    cache = KVCache(loaded.config, 4, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [1, 3, 0])], 16)
-        ours = loaded.model.compute_logits(
-            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
-        )
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-3
+    assert logit_gap(loaded.model, hf, list(range(3, 43))) < 1e-3  # positions 16-39 past it
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from fornax import LLM, SamplingParams
-from fornax.layers.attention import SeqSpan, build_attention_metadata
 from fornax.layers.linear import BlockInt4
 from fornax.models import ModelLoadError
 from fornax.models.moe import SparseMoE
-from tests.hf_reference import greedy_disagreement
+from tests.hf_reference import greedy_disagreement, logit_gap
 from tests.model.tiny_models import build_tiny_model
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -29,16 +28,6 @@ def tiny(request, tmp_path_factory):
     hf = build_tiny_model(request.param, out)
     llm = LLM(str(out), dtype="float32", num_blocks=64, progress=False)
     return request.param, hf, llm, out
-
-
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    from fornax.models.base import KVCache
-
-    model = llm.engine.runner.model
-    cache = KVCache(llm.engine.model_config, 8, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16, model.config.sliding_window)
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
 
 
 def test_routing_config_mapped(tiny):
@@ -68,9 +57,7 @@ def test_routing_config_mapped(tiny):
 def test_logits_match_transformers(tiny):
     _arch, hf, llm, _ = tiny
     for ids in PROMPTS:
-        with torch.inference_mode():
-            ref = hf(torch.tensor([ids])).logits[0]
-        assert (_logits(llm, ids) - ref).abs().max().item() < 1e-3
+        assert logit_gap(llm.engine.runner.model, hf, ids) < 1e-3
 
 
 def test_greedy_matches_transformers_batched(tiny):
@@ -98,14 +85,11 @@ def test_routing_ties_break_as_in_transformers(tiny, tmp_path):
     name = next(n for n in tensors if n.endswith(".gate.weight") and ".layers.0." in n)
     tensors[name] = torch.zeros_like(tensors[name])
     save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
-    with torch.no_grad():
-        hf_tied = type(hf).from_pretrained(str(tied), dtype=torch.float32).eval()
-        ids = PROMPTS[1]
-        ref = hf_tied(torch.tensor([ids])).logits[0]
+    hf_tied = type(hf).from_pretrained(str(tied), dtype=torch.float32).eval()
     llm = LLM(str(tied), dtype="float32", num_blocks=16, progress=False)
     weights, _experts = llm.engine.runner.model.layers[0].mlp.route(torch.randn(3, 64))
     assert (weights == weights[0, 0]).all()  # a true tie: every pick has the same weight
-    assert (_logits(llm, ids) - ref).abs().max().item() < 1e-3
+    assert logit_gap(llm.engine.runner.model, hf_tied, PROMPTS[1]) < 1e-3
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4", "auto"])
@@ -209,27 +193,22 @@ def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_e
     Returns what each written tensor dequantizes to, by GGUF name."""
     import re
 
-    import gguf
     import numpy as np
-    from gguf import GGMLQuantizationType as Q
     from safetensors.torch import load_file
 
-    from tests.model.test_gguf_loading import _GGUF_NAMES, _LAYER_NAMES, _llama_cpp_permute
+    from tests.model.test_gguf_loading import (
+        _GGUF_NAMES,
+        _LAYER_NAMES,
+        _llama_cpp_permute,
+        finish_gguf,
+        start_gguf,
+    )
 
     arch, cfg = _GGUF_ARCH[src.name.rstrip("0123456789")], hf.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = start_gguf(path, arch, cfg, float(cfg.rope_parameters["rope_theta"]))  # Mixtral's is 1e6
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))  # Mixtral's is 1e6
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     writer.add_expert_count(experts)
     writer.add_expert_used_count(expert_used or cfg.num_experts_per_tok)
@@ -261,20 +240,7 @@ def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_e
     for (layer, part), per_expert in merged.items():
         kept = experts - 1 if drop_expert and part == "down" else experts  # a file short of one expert
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([per_expert[i] for i in range(kept)])
-    written = {}
-    for name, w in out.items():
-        if w.ndim >= 2 and qtype != Q.F32 and "ffn_gate_inp" not in name:
-            data = gguf.quants.quantize(w, qtype)
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            written[name] = gguf.quants.dequantize(data, qtype)
-        else:
-            writer.add_tensor(name, w)
-            written[name] = w
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return written
+    return finish_gguf(writer, out, qtype, lambda name, w: w.ndim >= 2 and "ffn_gate_inp" not in name)
 
 
 def llm_moe(tiny):
@@ -283,7 +249,6 @@ def llm_moe(tiny):
 
 def test_gguf_f32_matches_transformers(tiny, tmp_path):
     from fornax.models import load_model
-    from fornax.models.base import KVCache
 
     arch, hf, _llm, src = tiny
     from gguf import GGMLQuantizationType as Q
@@ -298,15 +263,7 @@ def test_gguf_f32_matches_transformers(tiny, tmp_path):
         want.top_k,
         want.sparse_layers,
     )
-    ids = PROMPTS[1]
-    cache = KVCache(loaded.config, 8, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16)
-        ours = loaded.model.compute_logits(
-            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
-        )
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-3
+    assert logit_gap(loaded.model, hf, PROMPTS[1]) < 1e-3
 
 
 @pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0"])

@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from fornax import LLM, SamplingParams
-from fornax.layers.attention import SeqSpan, build_attention_metadata
-from fornax.models.base import KVCache
-from tests.hf_reference import greedy_disagreement
+from tests.hf_reference import greedy_disagreement, logit_gap
 from tests.model.tiny_models import build_tiny_model
 
 TRAINED = 16
@@ -43,13 +41,7 @@ def test_config_mapped(phi3):
 @pytest.mark.parametrize("ids", [SHORT[2], LONG[1]], ids=["short factors", "long factors"])
 def test_logits_match_transformers(phi3, ids):
     hf, llm = phi3
-    model = llm.engine.runner.model
-    cache = KVCache(llm.engine.model_config, 8, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16)
-        ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-3
+    assert logit_gap(llm.engine.runner.model, hf, ids) < 1e-3
 
 
 def test_greedy_matches_transformers_in_each_regime(phi3):
@@ -70,22 +62,13 @@ def _write_phi3_gguf(hf, path) -> None:
 
     import gguf
 
-    from tests.model.test_gguf_loading import _GGUF_NAMES, _LAYER_NAMES
+    from tests.model.test_gguf_loading import _GGUF_NAMES, _LAYER_NAMES, finish_gguf, start_gguf
 
     cfg, rope = hf.config, hf.config.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
+    writer = start_gguf(path, "phi3", cfg, rope["rope_theta"])
     writer.add_rope_scaling_orig_ctx_len(TRAINED)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_sliding_window(0)
-    writer.add_vocab_size(cfg.vocab_size)
     scale = cfg.max_position_embeddings / TRAINED
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(TRAINED)))
     names = {
@@ -93,16 +76,13 @@ def _write_phi3_gguf(hf, path) -> None:
         "self_attn.qkv_proj.weight": "attn_qkv.weight",
         "mlp.gate_up_proj.weight": "ffn_up.weight",
     }
+    tensors = {}
     for name, tensor in hf.state_dict().items():
         layer = name.removeprefix("model.layers.").split(".", 1)
-        gguf_name = _GGUF_NAMES.get(name) or f"blk.{layer[0]}.{names[layer[1]]}"
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        tensors[_GGUF_NAMES.get(name) or f"blk.{layer[0]}.{names[layer[1]]}"] = tensor.float().numpy()
     for kind in ("long", "short"):
-        writer.add_tensor(f"rope_factors_{kind}.weight", torch.tensor(rope[f"{kind}_factor"]).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors[f"rope_factors_{kind}.weight"] = torch.tensor(rope[f"{kind}_factor"]).numpy()
+    finish_gguf(writer, tensors, gguf.GGMLQuantizationType.F32, lambda *_: False)
 
 
 @pytest.mark.parametrize("ids", [SHORT[2], LONG[1]], ids=["short factors", "long factors"])
@@ -116,11 +96,4 @@ def test_gguf_matches_transformers(phi3, ids, tmp_path):
     assert loaded.config.fused_projections and loaded.config.sliding_window is None
     scaling = loaded.config.rope_scaling
     assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == TRAINED
-    cache = KVCache(loaded.config, 8, 16, torch.float32)
-    with torch.inference_mode():
-        meta = build_attention_metadata([SeqSpan(0, len(ids), [2, 0, 5, 1])], 16)
-        ours = loaded.model.compute_logits(
-            loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta)
-        )
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() < 1e-3
+    assert logit_gap(loaded.model, hf, ids) < 1e-3
