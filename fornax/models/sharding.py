@@ -118,6 +118,10 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     moe = config.moe
     if world > 1 and moe is not None and moe.num_experts < world:
         raise ValueError(f"{moe.num_experts} experts cannot be split over {world} ranks")
+    if world > 1 and config.qk_norm_whole:  # OLMoE: an RMS over every head, which no rank holds
+        raise ValueError("Q/K norms over the whole projection (OLMoE) are not split over ranks yet")
+    if world > 1 and config.fused_projections:  # Phi-3: the cuts name q/k/v and gate/up apart
+        raise ValueError("fused Q/K/V and gate/up tensors (Phi-3) are not split over ranks yet")
     if world > inter:
         raise ValueError(f"tensor parallel size {world} exceeds the MLP width {inter}")
     if kv_heads >= world:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fornax import LLM, SamplingParams
+from fornax.config import ConfigError
 from fornax.layers.linear import BlockInt4
 from fornax.models import ModelLoadError
 from fornax.models.moe import SparseMoE
@@ -140,6 +141,13 @@ def test_two_ranks_split_the_experts_and_match_one_process(arch, tmp_path):
         assert tokens == want_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
     tp.engine.check_integrity()
+
+
+def test_olmoe_refuses_tensor_parallelism_by_name(tmp_path):
+    """Its Q/K norms take an RMS over every head at once, which no single rank holds."""
+    build_tiny_model("olmoe", tmp_path / "olmoe")
+    with pytest.raises(ConfigError, match=r"whole projection \(OLMoE\) are not split over ranks"):
+        LLM(str(tmp_path / "olmoe"), dtype="float32", tensor_parallel_size=2, num_blocks=16, progress=False)
 
 
 def test_deterministic_mode_gives_each_prompt_its_bits_alone(tiny):

@@ -97,3 +97,11 @@ def test_gguf_matches_transformers(phi3, ids, tmp_path):
     scaling = loaded.config.rope_scaling
     assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == TRAINED
     assert logit_gap(loaded.model, hf, ids) < 1e-3
+
+
+def test_tensor_parallelism_is_refused_by_name(phi3):
+    from fornax.config import ConfigError
+
+    _hf, llm = phi3
+    with pytest.raises(ConfigError, match=r"fused Q/K/V and gate/up tensors \(Phi-3\) are not split"):
+        LLM(llm.engine.config.model, dtype="float32", tensor_parallel_size=2, progress=False)
