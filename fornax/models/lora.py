@@ -60,9 +60,12 @@ class AdaptedLinear:
 
 
 def adaptable_linears(model: torch.nn.Module, config: ModelConfig) -> list[AdaptedLinear]:
-    """The decoder's projections that adapters may target (the LM head is not one)."""
+    """The decoder's projections that adapters may target (the LM head is not one; nor, yet,
+    a mixture-of-experts layer's experts, whose widths are not the dense MLP's)."""
     out = []
     for linear, names in model.linear_sources():
+        if any(".experts." in n or ".shared_expert." in n for n in names):
+            continue  # a mixture-of-experts layer's experts: not adaptable yet (attention is)
         modules = tuple(n.removesuffix(".weight") for n in names)
         targets = [m.rsplit(".", 1)[-1] for m in modules]
         if all(t in TARGETS for t in targets):

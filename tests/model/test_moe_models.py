@@ -380,3 +380,21 @@ def test_a_rank_reads_only_its_experts_from_a_gguf(tiny, tmp_path):
             )
         else:
             assert got.numel() == 0
+
+
+def test_attention_adapter_matches_peft(tiny, tmp_path):
+    """A PEFT LoRA adapter on the attention projections of a MoE model serves as PEFT computes
+    it (greedy tokens of every prompt)."""
+    from peft import PeftModel
+
+    from fornax import LoRARequest
+    from tests.model.test_lora import make_adapter
+
+    _arch, hf, _llm, src = tiny
+    make_adapter(hf, tmp_path / "qv", 8, 16, ["q_proj", "v_proj"], False, seed=1)
+    llm = LLM(str(src), dtype="float32", num_blocks=64, lora=[f"qv={tmp_path / 'qv'}"], progress=False)
+    peft = PeftModel.from_pretrained(hf, str(tmp_path / "qv")).eval()
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("qv"))
+    for prompt, out in zip(PROMPTS, outs):
+        assert greedy_disagreement(peft, prompt, out.outputs[0].token_ids) is None
+    peft.unload()
