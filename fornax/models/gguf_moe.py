@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from fornax.config import MAX_EXPERTS, ConfigError, MoEConfig
-from fornax.models.gguf_meta import ModelLoadError, meta_int
+from fornax.models.gguf_meta import MAX_FEED_FORWARD_LENGTH, ModelLoadError, meta_int
 
 # What llama.cpp's graph does with the top-k weights, per architecture: renormalized for
 # Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE (its build_moe_ffn calls). The files do
@@ -48,12 +48,12 @@ def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int) -> MoEConf
     width_key = p + ("feed_forward_length" if arch in ("llama", "olmoe") else "expert_feed_forward_length")
     shared = 0
     if arch == "qwen2moe" and metadata.get(p + "expert_shared_feed_forward_length"):
-        shared = meta_int(metadata, p + "expert_shared_feed_forward_length", 1 << 20)
+        shared = meta_int(metadata, p + "expert_shared_feed_forward_length", MAX_FEED_FORWARD_LENGTH)
     try:
         return MoEConfig(
             num_experts=experts,
             top_k=meta_int(metadata, p + "expert_used_count", MAX_EXPERTS),
-            expert_intermediate_size=meta_int(metadata, width_key, 1 << 20),
+            expert_intermediate_size=meta_int(metadata, width_key, MAX_FEED_FORWARD_LENGTH),
             normalize_top_k=GGUF_MOE_NORMALIZES[arch],
             sparse_layers=tuple(range(layers)),  # the loader narrows it to the layers with a router
             shared_expert_intermediate_size=shared,

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks a few experts per
-token and the layer's output is their weighted sum (config/moe.py has the shape and routing).
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks a few experts
+per token and the layer's output is their weighted sum (config/moe.py has the shape and routing).
 
 Each expert is an ordinary gated MLP whose projections are `Linear`s, so the loader plans and
 builds their weight forms (int4, int8, w8a8, dense) exactly as for a dense layer's
@@ -43,6 +43,9 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """A sparse layer's MLP: the router, the experts this process holds, and Qwen2-MoE's shared
+    expert with its gate."""
+
     def __init__(self, config: ModelConfig, moe: MoEConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.moe = moe
@@ -88,9 +91,7 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         start = 0
         for e, n in enumerate(counts):
-            if (
-                n == 0 or e not in self.held
-            ):  # nobody chose it (its weights are not read), or another rank holds it
+            if n == 0 or e not in self.held:  # nobody chose it (not read), or another rank holds it
                 start += n
                 continue
             idx = rows[start : start + n]
