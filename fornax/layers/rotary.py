@@ -107,6 +107,8 @@ class RotaryEmbedding(nn.Module):
         self.long: RotaryEmbedding | None = None
         self.long_after = 0
         if scaling is not None and scaling.get("rope_type") == "longrope" and scaling.get("long_factor"):
+            # two tables of every position would be ~200 MB at Phi-3's 128k: computed per step
+            precompute = False
             long = {**scaling, "short_factor": scaling["long_factor"], "long_factor": None}
             self.long = RotaryEmbedding(head_dim, max_positions, theta, long, precompute)
             self.long_after = int(scaling["original_max_position_embeddings"])
