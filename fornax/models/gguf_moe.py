@@ -36,6 +36,14 @@ GGUF_MERGED_EXPERTS = {
     "ffn_down_exps.weight": "down_proj.weight",
 }
 _MERGED = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps\.weight)")
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+
+
+def router_layers(tensor_names: list[str], layers: int) -> tuple[int, ...]:
+    """The layers below `layers` that have a router (`blk.N.ffn_gate_inp`): the sparse ones.
+    A router past the last layer is left to the shape check, which names the tensor."""
+    found = {int(m.group(1)) for m in map(_ROUTER.fullmatch, tensor_names) if m}
+    return tuple(sorted(i for i in found if i < layers))
 
 
 def gguf_moe_config(metadata: dict[str, Any], arch: str, layers: int) -> MoEConfig | None:

@@ -109,7 +109,7 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             qk_norm_whole=arch == "OlmoeForCausalLM",
             fused_projections=arch == "Phi3ForCausalLM",
-            clip_qkv=raw.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
+            clip_qkv=float(raw["clip_qkv"]) if arch == "OlmoeForCausalLM" and raw.get("clip_qkv") else None,
             hidden_act=act,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             name=hf_dir.name,
@@ -117,12 +117,12 @@ def hf_model_config(hf_dir: Path) -> ModelConfig:
             moe=_moe_hf_config(arch, raw),
             **(_gemma3_hf_config(raw, local_rope) if gemma else {}),
         )
-    except (KeyError, ConfigError) as exc:
+    except (KeyError, ValueError, TypeError, ConfigError) as exc:
         raise ModelLoadError(f"bad config.json in {hf_dir}: {exc}") from None
 
 
 def _moe_hf_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
-    """The experts of Mixtral, Qwen2-MoE and Qwen3-MoE configs, with transformers' defaults."""
+    """The experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE configs, with transformers' defaults."""
     layers = int(raw["num_hidden_layers"])
     if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, renormalized
         return MoEConfig(
@@ -135,9 +135,8 @@ def _moe_hf_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
         )
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
         return None
-    experts = int(
-        raw.get("num_experts") or raw.get("num_local_experts") or 0
-    )  # transformers 5 writes the latter
+    # hub files say num_experts; transformers 5 writes num_local_experts (an attribute map)
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     if experts <= 0:
         return None
     dense = set(raw.get("mlp_only_layers") or [])

@@ -49,6 +49,7 @@ from fornax.models.gguf_moe import (
     gguf_moe_config,
     merged_experts,
     moe_expected_shape,
+    router_layers,
 )
 from fornax.models.sharding import NOT_HELD, Cut, take_cut
 from fornax.models.tensor_set import required_tensor_names
@@ -225,7 +226,9 @@ def gguf_model_config(metadata: dict[str, Any], name: str = "model") -> ModelCon
             attention_bias=has_bias,
             qk_norm=qk_norm,
             qk_norm_whole=arch == "olmoe",
-            clip_qkv=metadata.get(p + "attention.clamp_kqv") if arch == "olmoe" else None,
+            clip_qkv=meta_float(metadata, p + "attention.clamp_kqv")
+            if p + "attention.clamp_kqv" in metadata
+            else None,
             name=name,
             moe=moe,
             **(gemma3_gguf_config(metadata, layers, hidden, heads, head_dim) if gemma else {}),
@@ -322,10 +325,8 @@ def _weights_from_gguf(
             raise ModelLoadError(f"tensor {t.name[:64]!r} has unsupported GGUF quant type {t.type_name}")
     config = gguf_model_config(metadata, name=path.stem)
     if config.moe is not None:  # the layers with a router are sparse; any other keeps a dense MLP
-        sparse = sorted(
-            {int(t.name.split(".")[1]) for t in gguf_file.tensors if t.name.endswith(".ffn_gate_inp.weight")}
-        )
-        config = replace(config, moe=replace(config.moe, sparse_layers=tuple(sparse)))
+        sparse = router_layers([t.name for t in gguf_file.tensors], config.num_hidden_layers)
+        config = replace(config, moe=replace(config.moe, sparse_layers=sparse))
     _check_gguf_shapes(config, gguf_file)
     arch = metadata["general.architecture"]
     permuted = GGUF_ARCHITECTURES[arch][1]

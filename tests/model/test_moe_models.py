@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,10 +198,19 @@ _PLAIN = {
 }
 
 
-def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_expert: bool = False) -> dict:
+def _write_moe_gguf(
+    src,
+    hf,
+    path,
+    qtype,
+    expert_used: int | None = None,
+    drop_expert: bool = False,
+    hostile: dict | None = None,
+) -> dict:
     """The saved checkpoint as llama.cpp's converter lays it out: experts merged per layer into
     3-D tensors, the shared expert's gate 1-D, Q/K permuted for the `llama` architecture.
-    Returns what each written tensor dequantizes to, by GGUF name."""
+    Returns what each written tensor dequantizes to, by GGUF name. hostile: extra metadata
+    (key: value, written as given) and tensors (name: array) a malformed file would carry."""
     import re
 
     import numpy as np
@@ -226,8 +236,11 @@ def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_e
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch == "olmoe":
+    if arch == "olmoe" and "olmoe.attention.clamp_kqv" not in (hostile or {}):
         writer.add_clamp_kqv(cfg.clip_qkv)
+    for key, value in (hostile or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
     merged: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
@@ -250,6 +263,7 @@ def _write_moe_gguf(src, hf, path, qtype, expert_used: int | None = None, drop_e
     for (layer, part), per_expert in merged.items():
         kept = experts - 1 if drop_expert and part == "down" else experts  # a file short of one expert
         out[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([per_expert[i] for i in range(kept)])
+    out |= {k: v for k, v in (hostile or {}).items() if not isinstance(v, str)}
     return finish_gguf(writer, out, qtype, lambda name, w: w.ndim >= 2 and "ffn_gate_inp" not in name)
 
 
@@ -324,7 +338,7 @@ def test_malformed_moe_gguf_is_one_clear_error(tiny, tmp_path):
 
     from fornax.models.loader import load_gguf
 
-    _arch, hf, llm, src = tiny
+    arch, hf, llm, src = tiny
     experts = llm.engine.model_config.moe.num_experts
     path = tmp_path / "too-many-used.gguf"
     _write_moe_gguf(src, hf, path, Q.F32, expert_used=experts + 1)
@@ -334,6 +348,16 @@ def test_malformed_moe_gguf_is_one_clear_error(tiny, tmp_path):
     _write_moe_gguf(src, hf, path, Q.F32, drop_expert=True)
     with pytest.raises(ModelLoadError, match=r"ffn_down_exps.weight has shape .* the metadata implies"):
         load_gguf(path, torch.float32, progress=False)
+    # a router-like name outside any block is an unexpected tensor, named
+    path = tmp_path / "stray-router.gguf"
+    _write_moe_gguf(src, hf, path, Q.F32, hostile={"x.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'x\.ffn_gate_inp\.weight'"):
+        load_gguf(path, torch.float32, progress=False)
+    if arch == "olmoe":  # its value clamp must be a number
+        path = tmp_path / "clamp.gguf"
+        _write_moe_gguf(src, hf, path, Q.F32, hostile={"olmoe.attention.clamp_kqv": "wide"})
+        with pytest.raises(ModelLoadError, match="clamp_kqv must be a positive number, got 'wide'"):
+            load_gguf(path, torch.float32, progress=False)
 
 
 def test_prefix_cache_chunked_prefill_and_speculation_keep_the_tokens(tiny):
