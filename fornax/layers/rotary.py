@@ -33,7 +33,7 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     `attention_factor`; else YaRN's 0.1 ln(factor) + 1 (or the ratio of two such with `mscale`
     and `mscale_all_dim`, DeepSeek's), LongRoPE's sqrt(1 + ln(factor) / ln(trained context))."""
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if scaling is None or kind not in ("yarn", "longrope"):
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -68,7 +68,7 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
         high += 0.001  # no zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation = 1 - ramp
+    extrapolation = 1 - ramp  # 1 - (1 - ramp) below, as transformers writes it: not ramp's bits
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 

@@ -3,8 +3,8 @@
 These architectures differ only in small switches that the config carries: QKV bias
 (Qwen2), per-head RMSNorm on Q and K before RoPE (Qwen3), RoPE scaling (Llama 3),
 sliding-window attention (Mistral), Q/K/V and gate/up stored fused (Phi-3, with LongRoPE),
-tied embeddings, and mixture-of-experts MLPs in some or
-all layers (Mixtral, Qwen2-MoE, Qwen3-MoE: models/moe.py). One implementation keeps them
+tied embeddings, and mixture-of-experts MLPs in some or all layers (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE with its whole-projection Q/K norms: models/moe.py). One implementation keeps them
 exactly in step with each other; `models/__init__.py` maps HF architecture names here.
 
 The forward pass takes a flattened batch: tokens of many sequences laid end to end,

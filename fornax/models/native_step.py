@@ -138,6 +138,7 @@ class NativeStep:
             kernel is None
             or not kernel.supports(model.dtype)
             or model.config.qk_norm
+            or model.config.qk_norm_whole
             or model.config.moe is not None  # its experts are chosen per token, in Python
             or type(model) is not LlamaForCausalLM
         ):
